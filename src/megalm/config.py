@@ -1,0 +1,425 @@
+"""Typed config schemas, their registration with Hydra, and cross-field validation.
+
+Every field is typed and carries a default (or MISSING) and a one-line doc. The YAML files
+under conf/ are merged into these dataclasses by Hydra, so a misspelt key or a value of the
+wrong type fails at composition time. `validate()` checks the rules that span fields; it
+never rewrites a value the user wrote: derived values are properties.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    """Preset name, for logs and run directories."""
+    arch: str = "gpt"
+    """Model family: gpt (decoder-only)."""
+    num_layers: int = MISSING
+    """Number of Transformer blocks."""
+    hidden_size: int = MISSING
+    """Width of the residual stream."""
+    num_attention_heads: int = MISSING
+    """Query heads per attention layer."""
+    num_query_groups: Optional[int] = None
+    """Key/value heads for grouped-query attention; None = num_attention_heads (plain MHA)."""
+    ffn_hidden_size: Optional[int] = None
+    """MLP inner width; None = 4 * hidden_size (gelu) or the Llama rule 2/3 * 4h rounded up to 256 (swiglu)."""
+    seq_length: int = MISSING
+    """Tokens per training sample."""
+    vocab_size: int = MISSING
+    """Tokenizer vocabulary size; the embedding is padded up to make_vocab_size_divisible_by."""
+    make_vocab_size_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this (Megatron's default 128), for fast matmuls."""
+    position_embedding: str = "learned"
+    """learned | rope."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
+    normalization: str = "layernorm"
+    """layernorm | rmsnorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalization layers."""
+    activation: str = "gelu"
+    """gelu | swiglu."""
+    bias: bool = True
+    """Biases in linear layers and LayerNorm (GPT-2/3: true, Llama: false)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention-out and MLP-out (the hidden dropout)."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; output projections use init_std / sqrt(2 * num_layers)."""
+    transformer_impl: str = "local"
+    """local | te (Transformer Engine, GPU only)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.activation == "swiglu":
+            return 256 * math.ceil(int(8 * self.hidden_size / 3) / 256)
+        return 4 * self.hidden_size
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.make_vocab_size_divisible_by
+        return m * math.ceil(self.vocab_size / m)
+
+
+@dataclass
+class ParallelConfig:
+    name: str = "single"
+    """Preset name of the layout."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    dp: int = -1
+    """Data-parallel degree; -1 = world size / (tp * pp * cp)."""
+    cp: int = 1
+    """Context-parallel degree (reserved; must be 1)."""
+    sequence_parallel: bool = False
+    """Shard norms and dropout over the sequence inside the tp group (needs tp > 1)."""
+    pipeline_schedule: str = "1f1b"
+    """gpipe | 1f1b | interleaved_1f1b."""
+    virtual_pipeline_size: int = 1
+    """Model chunks per pipeline rank (interleaved schedule)."""
+    zero_stage: int = 0
+    """0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
+    recompute: str = "none"
+    """none | selective | full activation recomputation."""
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    """adamw | sgd."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Floor of the decay schedule."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay; never applied to norms, biases or other 1-D parameters."""
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    """Adam beta1, beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 to lr over this many steps."""
+    decay: str = "cosine"
+    """cosine | linear | constant (after warmup)."""
+    decay_steps: Optional[int] = None
+    """Step at which decay reaches min_lr; None = trainer.max_steps."""
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 1000
+    """Optimizer steps to train."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward on each data-parallel rank."""
+    global_batch_size: int = 8
+    """Samples per optimizer step = micro_batch_size * grad-accumulation steps * dp."""
+    eval_interval: int = 100
+    """Evaluate every this many steps (0 = only at the start and the end)."""
+    eval_steps: int = 10
+    """Global batches of validation data per evaluation (the same samples every time)."""
+    eval_at_start: bool = True
+    """Evaluate before the first step, so the log shows where the loss started."""
+    log_interval: int = 10
+    """Write metrics every this many steps."""
+    precision: str = "fp32"
+    """fp32 | bf16 (autocast, fp32 master weights) | fp16 | fp8."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping)."""
+    seed: int = 1234
+    """Seed for weights, data order and dropout."""
+    device: str = "auto"
+    """auto (cuda if present, else cpu) | cpu | cuda."""
+    num_threads: int = 0
+    """torch intra-op threads per rank on CPU; 0 = cores / local ranks."""
+    progress_bar: bool = True
+    """Show a progress bar on rank 0 (a plain log line per log_interval otherwise)."""
+
+
+@dataclass
+class TokenizerConfig:
+    type: str = "sentencepiece"
+    """sentencepiece | null (pre-tokenized data: ids are used as they are)."""
+    model: Optional[str] = None
+    """Path to a sentencepiece .model; None = train one on the corpus and cache it."""
+    vocab_size: int = 8192
+    """Vocabulary when training a tokenizer, or the id range of the null tokenizer."""
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    """Preset name."""
+    source: str = "stdlib"
+    """stdlib (Python's own sources, embedded default) | mock (random tokens) | indexed (.bin/.idx files)."""
+    paths: List[str] = field(default_factory=list)
+    """Prefixes of Megatron .bin/.idx files (source=indexed)."""
+    split: str = "98,2,0"
+    """Train, validation, test weights over documents."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """How text becomes token ids."""
+    cache_dir: str = "~/.cache/megalm"
+    """Where tokenizers and tokenized corpora are cached."""
+    max_corpus_mb: float = 0.0
+    """Use at most this many MB of the stdlib corpus (0 = all of it)."""
+    num_workers: int = 0
+    """Reserved for background loading; 0 = load in the training process."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "checkpoints"
+    """Checkpoint folder, relative to the run directory unless absolute."""
+    interval: int = 0
+    """Save every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep this many most recent checkpoints (0 = keep all)."""
+    load: Optional[str] = None
+    """Start from this checkpoint (a step folder or a checkpoint dir); None = auto-resume from the run directory."""
+    save: bool = True
+    """Write checkpoints at all."""
+    async_save: bool = False
+    """Write checkpoints in the background (not available yet: must be false)."""
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    """Preset name."""
+    launcher: str = "local"
+    """local (this machine) | torchrun | slurm."""
+    nodes: int = 1
+    """Number of machines."""
+    devices_per_node: int = 8
+    """GPUs per node, or the most CPU ranks to spawn per node on a CPU profile."""
+    backend: str = "auto"
+    """auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
+    peak_flops: Optional[float] = None
+    """Peak dense FLOP/s of one device at the training precision, for MFU; None = measure a matmul."""
+    max_restarts: int = 0
+    """Restarts the elastic launcher allows after a rank fails."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "disabled"
+    """online | offline | disabled."""
+    project: str = "megalm"
+    """wandb project name."""
+    entity: Optional[str] = None
+    """wandb team or user; None = your default."""
+
+
+@dataclass
+class LoggingConfig:
+    jsonl: bool = True
+    """Write metrics.jsonl in the run directory."""
+    tensorboard: bool = False
+    """Write TensorBoard events (needs the tensorboard package)."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    """Weights & Biases logging."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    parallel: ParallelConfig = MISSING
+    optimizer: OptimizerConfig = MISSING
+    data: DataConfig = MISSING
+    cluster: ClusterConfig = MISSING
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    run_dir: Optional[str] = None
+    """Run directory; None = the directory Hydra made for this job."""
+
+
+def register_configs() -> None:
+    """Register the schema so conf/config.yaml can put it first in its defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="megalm_schema", node=Config)
+
+
+CHOICES = {
+    "model.arch": ("gpt",),
+    "model.position_embedding": ("learned", "rope"),
+    "model.normalization": ("layernorm", "rmsnorm"),
+    "model.activation": ("gelu", "swiglu"),
+    "model.transformer_impl": ("local", "te"),
+    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.recompute": ("none", "selective", "full"),
+    "optimizer.name": ("adamw", "sgd"),
+    "optimizer.decay": ("cosine", "linear", "constant"),
+    "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "data.source": ("stdlib", "mock", "indexed"),
+    "data.tokenizer.type": ("sentencepiece", "null"),
+    "cluster.launcher": ("local", "torchrun", "slurm"),
+    "cluster.backend": ("auto", "nccl", "gloo"),
+    "logging.wandb.mode": ("online", "offline", "disabled"),
+}
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def validate(cfg: Config, world_size: int) -> None:
+    """Check cross-field rules; raise ValueError naming the values and what is allowed."""
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+    m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.trainer
+
+    positive = {
+        "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
+        "model.num_attention_heads": m.num_attention_heads, "model.seq_length": m.seq_length,
+        "model.vocab_size": m.vocab_size, "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp,
+        "parallel.virtual_pipeline_size": p.virtual_pipeline_size,
+        "trainer.max_steps": t.max_steps, "trainer.micro_batch_size": t.micro_batch_size,
+        "trainer.global_batch_size": t.global_batch_size,
+        "cluster.nodes": cfg.cluster.nodes, "cluster.devices_per_node": cfg.cluster.devices_per_node,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{key}={value} must be at least 1")
+    non_negative = {
+        "optimizer.lr": o.lr, "optimizer.min_lr": o.min_lr, "optimizer.weight_decay": o.weight_decay,
+        "optimizer.warmup_steps": o.warmup_steps, "trainer.eval_interval": t.eval_interval,
+        "trainer.eval_steps": t.eval_steps, "trainer.grad_clip": t.grad_clip,
+        "trainer.num_threads": t.num_threads, "checkpoint.interval": cfg.checkpoint.interval,
+        "checkpoint.keep_last": cfg.checkpoint.keep_last, "cluster.max_restarts": cfg.cluster.max_restarts,
+        "data.max_corpus_mb": cfg.data.max_corpus_mb,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ValueError(f"{key}={value} must not be negative")
+    if o.lr == 0:
+        raise ValueError("optimizer.lr=0 would never change the weights; use a positive learning rate")
+    if o.min_lr > o.lr:
+        raise ValueError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+    if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
+        raise ValueError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
+    if t.log_interval < 1:
+        raise ValueError(f"trainer.log_interval={t.log_interval} must be at least 1")
+    for key in ("model.dropout", "model.attention_dropout"):
+        if not 0.0 <= _get(cfg, key) < 1.0:
+            raise ValueError(f"{key}={_get(cfg, key)} must be in [0, 1)")
+
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(
+            f"model.hidden_size={m.hidden_size} is not divisible by "
+            f"model.num_attention_heads={m.num_attention_heads}")
+    if m.head_dim % 2 and m.position_embedding == "rope":
+        raise ValueError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
+    if m.num_attention_heads % m.kv_heads:
+        raise ValueError(
+            f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
+            f"model.num_query_groups={m.kv_heads}")
+    if m.transformer_impl == "te":
+        from megalm.parallel import te_available
+        if not te_available():
+            raise ValueError(
+                "model.transformer_impl=te needs Transformer Engine on a CUDA device "
+                "(pip install 'megalm[te]'); use model.transformer_impl=local")
+        raise ValueError("model.transformer_impl=te is not wired into the model yet; use local")
+
+    dims = parallel_dims(p, world_size)  # raises on a layout that does not fit the world
+    for key, degree in (("model.num_attention_heads", m.num_attention_heads),
+                        ("model.num_query_groups", m.kv_heads), ("model.ffn_size", m.ffn_size)):
+        if degree % p.tp:
+            raise ValueError(f"{key}={degree} is not divisible by parallel.tp={p.tp}")
+    if p.sequence_parallel and p.tp == 1:
+        raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
+    per_step = t.micro_batch_size * dims.dp
+    if t.global_batch_size % per_step:
+        raise ValueError(
+            f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
+            f"micro_batch_size({t.micro_batch_size}) * dp({dims.dp}) = {per_step}")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+    # Not built yet: refuse clearly rather than silently run something else.
+    if t.precision in ("fp16", "fp8"):
+        raise ValueError(
+            f"trainer.precision={t.precision} is not available yet; use fp32 or bf16")
+    if cfg.checkpoint.async_save:
+        raise ValueError("checkpoint.async_save=true is not available yet; use false")
+    if p.zero_stage != 0 or p.recompute != "none":
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} / parallel.recompute={p.recompute} are not "
+                         "available yet; use zero_stage=0 and recompute=none")
+    if cfg.data.source == "indexed" and not cfg.data.paths:
+        raise ValueError("data.source=indexed needs data.paths: a list of .bin/.idx prefixes")
+    _split_weights(cfg.data.split)
+
+
+def _split_weights(split: str) -> List[float]:
+    try:
+        weights = [float(w) for w in split.replace("/", ",").split(",")]
+    except ValueError:
+        raise ValueError(f"data.split={split!r} must be comma-separated numbers, e.g. '98,2,0'") from None
+    if len(weights) > 3 or any(w < 0 for w in weights) or len(weights) < 2 or weights[0] <= 0 or weights[1] <= 0:
+        raise ValueError(
+            f"data.split={split!r} needs 2 or 3 non-negative weights (train, validation[, test]) "
+            "with positive train and validation parts")
+    return weights
+
+
+def parallel_dims(p: ParallelConfig, world_size: int):
+    from megalm.distributed.mesh import ParallelDims
+    return ParallelDims.from_config(p, world_size)
+
+
+def conf_dir() -> str:
+    """The conf/ tree: inside the installed package (wheel), else the source checkout's top level."""
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "conf", here.parents[1] / "conf"):
+        if (candidate / "config.yaml").exists():
+            return str(candidate)
+    raise FileNotFoundError(f"megalm's conf/ tree is neither in {here} nor in {here.parents[1]}")
+
+
+def reject_unknown_keys(node: Any, path: str = "") -> None:
+    """Hydra's `+key=value` opens a schema node for a new key; megalm knows no such key, so refuse it."""
+    import dataclasses
+    from omegaconf import DictConfig, OmegaConf
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(schema):
+        known = {f.name for f in dataclasses.fields(schema)}
+        extra = sorted(set(node.keys()) - known)
+        if extra:
+            raise ValueError(f"unknown key(s) {', '.join(path + str(k) for k in extra)}; "
+                             f"{schema.__name__} has: {', '.join(sorted(known))}")
+    for key in node.keys():
+        reject_unknown_keys(node._get_node(key), f"{path}{key}.")

@@ -1,0 +1,140 @@
+"""Transformer building blocks in plain single-device PyTorch.
+
+No parallel code lives here: tensor parallelism swaps these modules' linears from outside
+(megalm.parallel), so the projections are kept as separate, named nn.Linear modules with the
+fused layouts a TP plan knows how to split (QKV stacked as [q | k | v], SwiGLU as [gate | up]).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+
+
+def build_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.normalization == "rmsnorm":
+        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin of RoFormer's rotation angles (arXiv:2104.09864), each (max_len, head_dim / 2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(max_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (i, i + d/2) of x (B, nh, T, hd) by the angles of its positions (T, hd/2)."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[None, None], sin[None, None]
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class KVCache:
+    """Keys and values of past positions for incremental decoding, one pair per layer."""
+
+    def __init__(self, num_layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 device=None, dtype=torch.float32):
+        shape = (batch, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        end = start + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; asked for {end}")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads (arXiv:2305.13245) on SDPA."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
+        self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
+        self.attention_dropout = cfg.attention_dropout
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                cache: Optional[KVCache] = None, start: int = 0) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel shard of qkv works unchanged.
+        q_size = self.qkv.out_features * self.num_heads // (self.num_heads + 2 * self.kv_heads)
+        kv_size = (self.qkv.out_features - q_size) // 2
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][start:start + T], rope[1][start:start + T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, start, k, v)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if cache is not None and T > 1 and start > 0:
+            # A chunk after a prefix: query t sees all cached keys and chunk keys up to itself.
+            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=start)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=T > 1,
+                dropout_p=self.attention_dropout if self.training else 0.0)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        return self.dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """GELU MLP (GPT-2) or SwiGLU (arXiv:2002.05202) with gate and up stacked in one linear."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gated = cfg.activation == "swiglu"
+        width = cfg.ffn_size * (2 if self.gated else 1)
+        self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
+        self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.dropout(self.fc2(h))
+
+
+class Block(nn.Module):
+    """Pre-norm Transformer block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm1 = build_norm(cfg)
+        self.attn = Attention(cfg, layer_idx)
+        self.norm2 = build_norm(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope=None, cache=None, start=0):
+        x = x + self.attn(self.norm1(x), rope, cache, start)
+        return x + self.mlp(self.norm2(x))
+
+
+def output_init_std(cfg: ModelConfig) -> float:
+    """GPT-2's scaled init of residual output projections: std / sqrt(2 * layers)."""
+    return cfg.init_std / math.sqrt(2.0 * cfg.num_layers)

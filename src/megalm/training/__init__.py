@@ -1,0 +1,1 @@
+"""Training loop, optimizers and schedules, checkpoints, metrics."""

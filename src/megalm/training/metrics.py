@@ -1,0 +1,134 @@
+"""Metric sinks (metrics.jsonl, wandb, TensorBoard), throughput and MFU.
+
+Only rank 0 writes; other ranks get a MetricLogger with no sinks.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from megalm.config import LoggingConfig
+
+log = logging.getLogger("megalm.metrics")
+
+
+class JsonlSink:
+    """One JSON object a line: training steps carry `step` and `loss`, evaluations `val_loss`."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "a", buffering=1)
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class WandbSink:
+    def __init__(self, cfg, run_dir: Path, config: Dict[str, Any]):
+        import wandb  # a dependency, imported lazily: it is slow to import and most tests disable it
+        self.run = wandb.init(mode=cfg.mode, project=cfg.project, entity=cfg.entity, dir=str(run_dir),
+                              config=config, name=run_dir.name, reinit="finish_previous")
+
+    def write(self, record: Dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TensorBoardSink:
+    def __init__(self, run_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ValueError("logging.tensorboard=true needs the tensorboard package "
+                             "(pip install 'megalm[tensorboard]'), or set logging.tensorboard=false") from None
+        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def write(self, record: Dict[str, Any]) -> None:
+        for k, v in record.items():
+            if k != "step" and isinstance(v, (int, float)):
+                self.writer.add_scalar(k, v, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MetricLogger:
+    def __init__(self, cfg: Optional[LoggingConfig], run_dir: Optional[Path], config: Dict[str, Any]):
+        self.sinks: List[Any] = []
+        if cfg is None or run_dir is None:
+            return
+        if cfg.jsonl:
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        if cfg.tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir))
+        if cfg.wandb.mode != "disabled":
+            self.sinks.append(WandbSink(cfg.wandb, run_dir, config))
+
+    def write(self, record: Dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+
+
+class Throughput:
+    """Tokens/s, model TFLOP/s per device and MFU over the steps since the last report."""
+
+    def __init__(self, flops_per_token: float, peak_flops: float, num_devices: int):
+        self.flops_per_token, self.peak, self.devices = flops_per_token, peak_flops, num_devices
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0, self.tokens = time.perf_counter(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    def report(self) -> Dict[str, float]:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        tps = self.tokens / dt
+        flops = tps * self.flops_per_token / self.devices
+        out = {"tokens_per_s": tps, "tflops_per_device": flops / 1e12}
+        if self.peak > 0:
+            out["mfu"] = flops / self.peak
+        self.reset()
+        return out
+
+
+def measure_matmul_peak(device: torch.device, dtype=torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
+    """Achievable dense matmul FLOP/s on this device: the MFU denominator when no peak is configured."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b  # warm up kernels and caches
+    _sync(device)
+    count, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        count += 1
+    _sync(device)
+    return 2.0 * n ** 3 * count / (time.perf_counter() - t0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB

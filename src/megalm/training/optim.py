@@ -1,0 +1,80 @@
+"""Optimizers and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Tuple
+
+import torch
+from torch import nn
+
+from megalm.config import OptimizerConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
+    """Two groups: matrices decay; norms, biases and other 1-D parameters do not (as GPT-2/3, Megatron)."""
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():  # named_parameters de-duplicates tied weights
+        if not p.requires_grad:
+            continue
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
+    groups = param_groups(model, cfg.weight_decay)
+    if cfg.name == "adamw":
+        # Decoupled weight decay (arXiv:1711.05101); foreach kernels are the fast path on CPU and GPU.
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
+    raise ValueError(f"optimizer.name={cfg.name!r} is not one of adamw, sgd")
+
+
+class LRSchedule:
+    """Linear warmup to lr, then cosine / linear decay to min_lr at decay_steps, then min_lr.
+
+    A pure function of the step, so a resumed run needs no schedule state.
+    """
+
+    def __init__(self, cfg: OptimizerConfig, max_steps: int):
+        self.cfg = cfg
+        self.decay_steps = cfg.decay_steps if cfg.decay_steps is not None else max_steps
+
+    def __call__(self, step: int) -> float:
+        """Learning rate for optimizer step `step` (0-based)."""
+        c = self.cfg
+        if step < c.warmup_steps:
+            return c.lr * (step + 1) / c.warmup_steps
+        if c.decay == "constant":
+            return c.lr
+        span = max(self.decay_steps - c.warmup_steps, 1)
+        progress = min(max(step - c.warmup_steps, 0) / span, 1.0)
+        if c.decay == "linear":
+            factor = 1.0 - progress
+        else:
+            factor = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return c.min_lr + (c.lr - c.min_lr) * factor
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> Tuple[torch.Tensor, bool]:
+    """Global L2 norm of the gradients; scaled down to max_norm when above it (0 = never).
+
+    Single-process for now; the parallel issue reduces the squared norm across tp, pp and dp.
+    Returns the norm before clipping and whether it was finite.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(()), True
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    finite = bool(torch.isfinite(norm))
+    if max_norm > 0 and finite:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+    return norm, finite

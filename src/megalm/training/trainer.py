@@ -1,0 +1,138 @@
+"""The training loop: gradient accumulation, clipping, schedule, evaluation, checkpoints, logging."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any, Dict, Optional
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from megalm.config import TrainerConfig
+from megalm.training.checkpoint import Checkpointer
+from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
+from megalm.training.optim import LRSchedule, grad_norm_and_clip, set_lr
+
+log = logging.getLogger("megalm.trainer")
+
+
+class Trainer:
+    def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule: LRSchedule, data, checkpointer: Checkpointer, metrics: MetricLogger,
+                 throughput: Throughput, device: torch.device, dp_rank: int = 0, dp_size: int = 1,
+                 is_rank0: bool = True):
+        from megalm.data import MicroBatchLoader
+        self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
+        self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
+        self.device, self.is_rank0 = device, is_rank0
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.step = 0
+        self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
+                                       global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        self.val_loss: Optional[float] = None
+
+    # -- state -----------------------------------------------------------------------------------
+    def state(self) -> Dict[str, Any]:
+        return {"consumed_samples": self.loader.consumed_samples, "val_loss": self.val_loss}
+
+    def load(self, path, weights_only: bool = False) -> None:
+        saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer)
+        if not weights_only:
+            self.step = saved["step"]
+            self.loader.consumed_samples = saved["consumed_samples"]
+            self.val_loss = saved.get("val_loss")
+        log.info("resuming at step %d (consumed samples %d)", self.step, self.loader.consumed_samples)
+
+    def _autocast(self):
+        if self.cfg.precision == "bf16":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # -- one step --------------------------------------------------------------------------------
+    def train_step(self) -> Dict[str, float]:
+        self.model.train()
+        micro_batches = self.loader.next_batch()
+        lr = self.schedule(self.step)
+        set_lr(self.optimizer, lr)
+        total = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            mb = mb.to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
+            loss.backward()
+            total += loss.detach()
+        norm, finite = grad_norm_and_clip(self.model.parameters(), self.cfg.grad_clip)
+        if finite:
+            self.optimizer.step()
+        else:
+            log.warning("step %d: gradient norm is %s; skipping the update", self.step + 1, norm.item())
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.throughput.add(self.cfg.global_batch_size * (micro_batches[0].shape[1] - 1))  # seq tokens a sample
+        return {"loss": total.item(), "lr": lr, "grad_norm": norm.item()}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the same eval_steps global batches of validation data every time."""
+        from megalm.data import MicroBatchLoader
+        self.model.eval()
+        loader = MicroBatchLoader(self.data.valid, micro_batch_size=self.cfg.micro_batch_size,
+                                  global_batch_size=self.cfg.global_batch_size,
+                                  dp_rank=self.dp_rank, dp_size=self.dp_size)
+        losses = []
+        for _ in range(self.cfg.eval_steps):
+            for mb in loader.next_batch():
+                mb = mb.to(self.device)
+                with self._autocast():
+                    losses.append(self.model(mb[:, :-1], mb[:, 1:]).float())
+        return torch.stack(losses).mean().item()
+
+    def _eval_and_log(self, bar) -> None:
+        if self.cfg.eval_steps == 0:
+            return
+        self.val_loss = self.evaluate()
+        record = {"step": self.step, "val_loss": self.val_loss, "val_ppl": math.exp(min(self.val_loss, 50.0))}
+        self.metrics.write(record)
+        if self.is_rank0:
+            log.info("step %d: validation loss %.4f (perplexity %.1f)", self.step, self.val_loss, record["val_ppl"])
+
+    # -- the loop --------------------------------------------------------------------------------
+    def fit(self) -> Optional[float]:
+        c = self.cfg
+        bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
+                   dynamic_ncols=True, desc="train", unit="step")
+        with logging_redirect_tqdm():
+            if c.eval_at_start and self.step == 0:
+                self._eval_and_log(bar)
+            self.throughput.reset()
+            t_start = time.perf_counter()
+            while self.step < c.max_steps:
+                out = self.train_step()
+                if not math.isfinite(out["loss"]):
+                    raise FloatingPointError(f"loss is {out['loss']} at step {self.step}; lower optimizer.lr "
+                                             f"(now {self.optimizer.param_groups[0]['lr']:.3g}) or check the data")
+                bar.update(1)
+                last = self.step == c.max_steps
+                if self.step % c.log_interval == 0 or last:
+                    out.update(self.throughput.report())
+                    out.update(step=self.step, consumed_samples=self.loader.consumed_samples,
+                               elapsed_s=time.perf_counter() - t_start,
+                               peak_mem_gb=peak_memory_bytes(self.device) / 2**30)
+                    self.metrics.write(out)
+                    bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}",
+                                    tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
+                    if not c.progress_bar and self.is_rank0:
+                        log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, c.max_steps,
+                                 out["loss"], out["lr"], out["tokens_per_s"])
+                if last or (c.eval_interval > 0 and self.step % c.eval_interval == 0):
+                    self._eval_and_log(bar)
+                if self.checkpointer.due(self.step, last):
+                    self.checkpointer.save(self.step, self.model, self.optimizer, self.state())
+                    self.throughput.reset()  # do not charge the save to the next report's tokens/s
+        bar.close()
+        self.metrics.close()
+        return self.val_loss

@@ -1,0 +1,110 @@
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from megalm.config import conf_dir, register_configs, reject_unknown_keys, validate
+from megalm.launch import plan_world, ranks_needed
+
+register_configs()
+CONF = Path(conf_dir())
+
+
+def load(*overrides):
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        dcfg = compose("config", overrides=list(overrides))
+    reject_unknown_keys(dcfg)
+    return OmegaConf.to_object(dcfg)
+
+
+def group_files(group):
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# A model whose shape divides every shipped layout, for the layout presets.
+BIG = "model=gpt_175b"
+EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.model=/tok.model"]}
+
+
+@pytest.mark.parametrize("group,name", [(g, n) for g in ("model", "parallel", "optimizer", "data", "cluster")
+                                        for n in group_files(g)])
+def test_every_yaml_composes_and_validates(group, name):
+    overrides = [f"{group}={name}"] + EXTRA.get((group, name), [])
+    if group == "parallel":
+        overrides += [BIG, "trainer.micro_batch_size=1", "trainer.global_batch_size=64"]
+    cfg = load(*overrides)
+    assert getattr(cfg, group).name == name or group == "optimizer"
+    validate(cfg, ranks_needed(cfg))
+
+
+def test_there_are_presets_for_every_group():
+    for group, must in {"model": {"gpt_tiny", "gpt_125m", "gpt_175b", "llama3_8b", "llama3_70b"},
+                        "parallel": {"single", "tp2", "pp2", "dp2", "tp2_pp2_dp2", "tp8_pp16"},
+                        "data": {"stdlib", "mock"}, "cluster": {"local"}}.items():
+        assert must <= set(group_files(group))
+
+
+def test_gpt3_175b_matches_the_paper():
+    m = load(BIG).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (96, 12288, 96, 2048)
+
+
+def test_validation_never_rewrites_values():
+    cfg = load("parallel=tp8_pp8", BIG, "trainer.micro_batch_size=1")
+    before = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    validate(cfg, 128)  # dp = -1 resolves to 2 without touching cfg.parallel.dp
+    assert cfg.parallel.dp == -1
+    assert OmegaConf.to_yaml(OmegaConf.structured(cfg)) == before
+
+
+BAD = [
+    (["model.num_attention_heads=5"], 1, "model.hidden_size=256 is not divisible by model.num_attention_heads=5"),
+    (["optimizer.lr=-0.001"], 1, "optimizer.lr=-0.001 must not be negative"),
+    (["trainer.global_batch_size=12", "trainer.micro_batch_size=8"], 1,
+     "trainer.global_batch_size=12 is not divisible by micro_batch_size(8) * dp(1) = 8"),
+    (["parallel=tp2"], 1, "tp(2) * pp(1) * dp(1) * cp(1) = 2 != world size (1)"),
+    (["parallel=dp2", "trainer.global_batch_size=24", "trainer.micro_batch_size=8"], 2,
+     "trainer.global_batch_size=24 is not divisible by micro_batch_size(8) * dp(2) = 16"),
+    (["model.num_query_groups=3"], 1, "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
+    (["model.position_embedding=alibi"], 1, "model.position_embedding='alibi' is not one of learned, rope"),
+    (["trainer.precision=fp16"], 1, "trainer.precision=fp16 is not available yet"),
+    (["model.transformer_impl=te"], 1, "model.transformer_impl=te needs Transformer Engine"),
+    (["parallel=tp4", "model=gpt_tiny", "model.num_query_groups=2"], 4,
+     "model.num_query_groups=2 is not divisible by parallel.tp=4"),
+    (["data.split=98"], 1, "data.split='98' needs 2 or 3 non-negative weights"),
+    (["model.dropout=1.5"], 1, "model.dropout=1.5 must be in [0, 1)"),
+    (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0 is above optimizer.lr=0.001"),
+]
+
+
+@pytest.mark.parametrize("overrides,world,message", BAD, ids=[b[2][:40] for b in BAD])
+def test_bad_values_have_clear_errors(overrides, world, message):
+    cfg = load(*overrides)
+    with pytest.raises(ValueError) as e:
+        validate(cfg, world)
+    assert message in str(e.value)
+
+
+def test_unknown_key_is_an_error():
+    with pytest.raises(Exception, match="Could not override 'model.hidden'"):
+        load("model.hidden=3")
+    with pytest.raises(ValueError, match="unknown key.*model.hidden"):
+        load("+model.hidden=3")
+
+
+def test_layout_too_big_for_this_machine_names_the_numbers(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = load(BIG, "parallel=tp8_pp16")
+    with pytest.raises(ValueError) as e:
+        plan_world(cfg)
+    msg = str(e.value)
+    assert "tp(8) * pp(16) * dp(1) * cp(1) = 128 ranks" in msg
+    assert "torchrun --nnodes 16 --nproc-per-node 8" in msg and "srun" in msg
+
+
+def test_torchrun_environment_sets_the_world(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "128")
+    assert plan_world(load(BIG, "parallel=tp8_pp16")) == 128
