@@ -116,7 +116,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         raise SystemExit(f"megalm.generate: {e}") from None
     print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']})", file=sys.stderr)
-    prompt = tok.encode(args.prompt)
+    # Training packs documents after an end-of-document token, so eod is the start-of-text marker.
+    prompt = [tok.eod] + tok.encode(args.prompt)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"\n# --- sample {i + 1} ---")

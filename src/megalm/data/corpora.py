@@ -1,0 +1,120 @@
+"""The embedded default corpus: the Python standard library's own source files.
+
+Every Python install carries ~30 MB of real, varied, well-written code, so the framework can
+train a meaningful model with no download. Each *.py file is one document.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import platform
+import sysconfig
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, List, Optional, Tuple
+
+# Third-party and bytecode directories are not "the standard library's own source".
+_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
+_MB = 1_000_000
+
+
+def stable_hash(*parts: str, length: int = 16) -> str:
+    """Hex digest of the parts; unlike hash(), the same on every run and machine."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8"))
+        h.update(b"\x00")  # so ("ab", "c") and ("a", "bc") differ
+    return h.hexdigest()[:length]
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if needed).
+
+    Several ranks of one job may build the same cache entry at once; the lock makes the
+    first one build it while the others wait and then find it ready.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+@dataclass
+class StdlibCorpus:
+    """A list of source files under `root`, in a fixed pseudo-random order; one document each."""
+
+    root: Path
+    files: List[Tuple[str, int]] = field(default_factory=list)
+    """(path relative to root, size in bytes), in corpus order."""
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    def fingerprint(self) -> str:
+        """Identifies the exact documents, for cache keys of tokenizers and token files."""
+        listing = "\n".join(f"{rel}\t{size}" for rel, size in self.files)
+        return stable_hash("stdlib-corpus-v1", platform.python_version(), listing)
+
+    def texts(self) -> Iterator[str]:
+        """The documents' text, read lazily so the whole corpus never sits in memory."""
+        for rel, _ in self.files:
+            yield (self.root / rel).read_bytes().decode("utf-8")
+
+    def subset(self, start: int, stop: int) -> "StdlibCorpus":
+        return StdlibCorpus(self.root, self.files[start:stop])
+
+
+def _order_key(rel: str) -> str:
+    # A hash rather than the name: alphabetical order would put all of test/ or all of
+    # email/ in one contiguous block, and splits take contiguous ranges of documents.
+    return hashlib.sha256(rel.encode("utf-8")).hexdigest()
+
+
+def stdlib_corpus(max_corpus_mb: float = 0.0, root: Optional[str] = None) -> StdlibCorpus:
+    """The stdlib's *.py files in hash order, valid UTF-8 only, up to `max_corpus_mb` (0 = all).
+
+    The limit takes the longest prefix of the ordered files that fits, so a small corpus is a
+    fair sample of the whole. MB here is 10^6 bytes of source.
+    """
+    if max_corpus_mb < 0:
+        raise ValueError(f"max_corpus_mb={max_corpus_mb} must not be negative")
+    base = Path(root or sysconfig.get_paths()["stdlib"]).resolve()
+    candidates: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames[:] = [d for d in dirnames if d not in _EXCLUDED_DIRS]
+        for name in filenames:
+            if name.endswith(".py"):
+                candidates.append(Path(dirpath, name).relative_to(base).as_posix())
+    if not candidates:
+        raise ValueError(f"no *.py files under the stdlib directory {base}")
+    candidates.sort(key=_order_key)
+
+    limit = int(max_corpus_mb * _MB) if max_corpus_mb > 0 else None
+    files: List[Tuple[str, int]] = []
+    total = 0
+    for rel in candidates:
+        data = (base / rel).read_bytes()
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue  # a few test files are deliberately latin-1 or koi8-r
+        if limit is not None and total + len(data) > limit:
+            break
+        files.append((rel, len(data)))
+        total += len(data)
+    if not files:
+        raise ValueError(
+            f"max_corpus_mb={max_corpus_mb} ({limit} bytes) is smaller than the first "
+            f"stdlib file in corpus order; use a larger limit or 0 for all of it")
+    return StdlibCorpus(base, files)
