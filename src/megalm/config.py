@@ -378,10 +378,10 @@ def validate(cfg: Config, world_size: int) -> None:
                          "available yet; use zero_stage=0 and recompute=none")
     if cfg.data.source == "indexed" and not cfg.data.paths:
         raise ValueError("data.source=indexed needs data.paths: a list of .bin/.idx prefixes")
-    _split_weights(cfg.data.split)
+    split_weights(cfg.data.split)
 
 
-def _split_weights(split: str) -> List[float]:
+def split_weights(split: str) -> List[float]:
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:

@@ -12,7 +12,7 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megalm.config import DataConfig, _split_weights
+from megalm.config import DataConfig, split_weights
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
@@ -37,7 +37,7 @@ class DataBundle:
 
 def split_documents(num_documents: int, split: str) -> List[range]:
     """Contiguous (train, valid, test) document ranges in proportion to the split weights."""
-    weights = np.asarray(_split_weights(split) + [0.0] * 2)[:3]
+    weights = np.asarray(split_weights(split) + [0.0] * 2)[:3]
     cuts = np.rint(np.cumsum(weights) / weights.sum() * num_documents).astype(int)
     bounds = [0] + [int(c) for c in cuts[:-1]] + [num_documents]
     return [range(bounds[k], bounds[k + 1]) for k in range(3)]

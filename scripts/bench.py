@@ -1,0 +1,213 @@
+"""Training throughput of megalm's GPT against Hugging Face GPT2LMHeadModel of the same shape.
+
+Both models train in one process, fp32, with AdamW (foreach), on the same synthetic batches,
+starting from the same weights. On a noisy shared machine a single timing says little, so:
+warm-up steps first, then the two models alternate in rounds (megalm first in even rounds, HF
+first in odd ones, so a slow drift hits both alike), and the table reports the median of the
+per-round tokens/s, the ratio of the two medians and the median of the per-round ratios.
+
+    python scripts/bench.py                          # gpt_cpu's shape as GPT-2, ~1-2 min on 2 cores
+    python scripts/bench.py --layers 2 --hidden 128 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from megalm.config import ModelConfig, OptimizerConfig, conf_dir
+from megalm.models import build_model, flops_per_token, init_weights, lm_loss
+from megalm.training.metrics import measure_matmul_peak
+from megalm.training.optim import build_optimizer, param_groups
+
+# The GPT-2 architecture is all HF's GPT2LMHeadModel can express, so it is forced on the preset.
+GPT2_ARCH = dict(position_embedding="learned", normalization="layernorm", activation="gelu", bias=True,
+                 tie_embeddings=True, num_query_groups=None, dropout=0.0, attention_dropout=0.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="gpt_cpu",
+                   help="preset under conf/model: its shape is used, its architecture forced to GPT-2")
+    p.add_argument("--layers", type=int, help="num_layers instead of the preset's")
+    p.add_argument("--hidden", type=int, help="hidden_size instead of the preset's")
+    p.add_argument("--heads", type=int, help="num_attention_heads instead of the preset's")
+    p.add_argument("--seq", type=int, help="seq_length instead of the preset's")
+    p.add_argument("--vocab", type=int, help="vocab_size instead of the preset's (padded as the preset says)")
+    p.add_argument("--micro-batch", type=int, default=8, help="samples per step")
+    p.add_argument("--steps", type=int, default=4, help="timed steps per model per round")
+    p.add_argument("--rounds", type=int, default=11, help="alternating rounds")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model before the rounds")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
+    p.add_argument("--peak-seconds", type=float, default=0.3, help="length of each round's matmul-peak measurement")
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batches")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    return p.parse_args(argv)
+
+
+def model_config(args) -> ModelConfig:
+    node = OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                           OmegaConf.load(Path(conf_dir()) / "model" / f"{args.model}.yaml"))
+    overrides = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
+                     seq_length=args.seq, vocab_size=args.vocab)
+    node = OmegaConf.merge(node, {k: v for k, v in overrides.items() if v is not None}, GPT2_ARCH)
+    return OmegaConf.to_object(node)
+
+
+def hf_model(cfg: ModelConfig):
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf_cfg = GPT2Config(
+        vocab_size=cfg.padded_vocab_size, n_positions=cfg.seq_length, n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers, n_head=cfg.num_attention_heads, n_inner=cfg.ffn_size,
+        # HF's GPT-2 default "gelu_new" is the same tanh GELU written as ~8 Python-level ops; the
+        # fused kernel megalm uses is an HF option too, so take it and compare model code, not GELUs.
+        activation_function="gelu_pytorch_tanh",
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
+        initializer_range=cfg.init_std, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+        use_cache=False)  # a training step keeps no KV cache
+    return GPT2LMHeadModel(hf_cfg)
+
+
+@torch.no_grad()
+def copy_weights(src, dst) -> None:
+    """megalm's weights into the HF model: the same start, so the losses are comparable too.
+
+    HF's Conv1D stores weights as (in, out), the transpose of nn.Linear.
+    """
+    t = dst.transformer
+    t.wte.weight.copy_(src.embed.weight)
+    t.wpe.weight.copy_(src.pos_embed.weight)
+    for i, b in enumerate(src.blocks.values()):
+        h = t.h[i]
+        pairs = [(b.norm1, h.ln_1, False), (b.attn.qkv, h.attn.c_attn, True), (b.attn.proj, h.attn.c_proj, True),
+                 (b.norm2, h.ln_2, False), (b.mlp.fc1, h.mlp.c_fc, True), (b.mlp.fc2, h.mlp.c_proj, True)]
+        for a, c, transpose in pairs:
+            c.weight.copy_(a.weight.T if transpose else a.weight)
+            c.bias.copy_(a.bias)
+    t.ln_f.weight.copy_(src.norm.weight)
+    t.ln_f.bias.copy_(src.norm.bias)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    cfg = model_config(args)
+
+    mega = build_model(cfg)
+    init_weights(mega, cfg, args.seed)
+    hf = hf_model(cfg)
+    copy_weights(mega, hf)
+    params = {"megalm": n_params(mega), "hf": n_params(hf)}
+    assert params["megalm"] == params["hf"], (
+        f"parameter counts differ (megalm {params['megalm']:,} vs HF {params['hf']:,}): the shapes do not match, "
+        "so the FLOPs, and the comparison, would not be the same")
+
+    B, T = args.micro_batch, cfg.seq_length
+    g = torch.Generator().manual_seed(args.seed)
+    batches = [torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g) for _ in range(4)]
+    mega.eval(), hf.eval()
+    with torch.no_grad():  # same weights and input must give the same logits, else it is not the same model
+        x = batches[0][:, :-1]
+        logit_diff = (mega(x) - hf(input_ids=x).logits).abs().max().item()
+    assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
+
+    opt_cfg = OptimizerConfig()
+    runs = {
+        # Both losses go through lm_loss, so the step differs only in model code.
+        "megalm": (mega, build_optimizer(opt_cfg, mega), lambda x, y: mega(x, labels=y)),
+        # Plain torch AdamW for HF, with the same settings and the same decay / no-decay split.
+        "hf": (hf, torch.optim.AdamW(param_groups(hf, opt_cfg.weight_decay), lr=opt_cfg.lr,
+                                     betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, foreach=True),
+               lambda x, y: lm_loss(hf(input_ids=x).logits, y)),
+    }
+    state = {name: {"step": 0, "loss": float("nan"), "rounds": []} for name in runs}
+
+    def train(name: str, steps: int) -> float:
+        model, opt, loss_fn = runs[name]
+        model.train()
+        s = state[name]
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            batch = batches[s["step"] % len(batches)]
+            loss = loss_fn(batch[:, :-1], batch[:, 1:])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            s["step"] += 1
+        s["loss"] = loss.item()
+        return time.perf_counter() - t0
+
+    for name in runs:
+        if args.warmup:
+            train(name, args.warmup)
+    # A shared machine's matmul speed was seen to swing 3x within seconds (other tenants), so the
+    # MFU denominator is measured in every round, next to the steps it divides.
+    peaks = []
+    for r in range(args.rounds):
+        peaks.append(measure_matmul_peak(torch.device("cpu"), seconds=args.peak_seconds))
+        for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
+            state[name]["rounds"].append(args.steps * B * T / train(name, args.steps))
+
+    fpt = flops_per_token(cfg)
+    results = {}
+    for name, s in state.items():
+        tps = statistics.median(s["rounds"])
+        results[name] = {"tokens_per_s": tps, "tflops": tps * fpt / 1e12,
+                         "mfu": statistics.median(t * fpt / p for t, p in zip(s["rounds"], peaks)),
+                         "rounds_tokens_per_s": s["rounds"], "final_loss": s["loss"]}
+    # A round's two runs are seconds apart, so their ratio cancels most of the machine's drift.
+    paired = statistics.median(a / b for a, b in zip(state["megalm"]["rounds"], state["hf"]["rounds"]))
+    out = {"command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
+           "config": {k: getattr(cfg, k) for k in ("name", "num_layers", "hidden_size", "num_attention_heads",
+                                                   "seq_length", "vocab_size", "padded_vocab_size", "ffn_size")},
+           "micro_batch": B, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "hf_attn_implementation": hf.config._attn_implementation,
+           "params": params, "flops_per_token": fpt, "peak_tflops": statistics.median(peaks) / 1e12,
+           "rounds_peak_tflops": [p / 1e12 for p in peaks],
+           "initial_logit_max_abs_diff": logit_diff, "results": results,
+           "ratio": results["megalm"]["tokens_per_s"] / results["hf"]["tokens_per_s"], "paired_ratio": paired}
+    print_table(out)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
+def print_table(out: dict) -> None:
+    c = out["config"]
+    print(f"shape: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
+          f"seq {c['seq_length']}, vocab {c['vocab_size']} (padded {c['padded_vocab_size']}); "
+          f"micro-batch {out['micro_batch']}, {out['threads']} threads, fp32, AdamW")
+    print(f"params: {out['params']['megalm']:,} (both)   model FLOPs/token: {out['flops_per_token'] / 1e6:.1f} M   "
+          f"matmul peak (median of rounds): {out['peak_tflops'] * 1e3:.0f} GFLOP/s   "
+          f"HF attention: {out['hf_attn_implementation']}")
+    print(f"{out['rounds']} rounds x {out['steps']} steps per model after {out['warmup']} warm-up steps; "
+          "median of per-round tokens/s and MFU")
+    print(f"| {'model':<14} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | {'round min-max tokens/s':>22} "
+          f"| {'loss':>6} |")
+    print(f"|{'-' * 16}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 24}|{'-' * 8}|")
+    for name, label in (("megalm", "megalm GPT"), ("hf", "HF GPT2LMHead")):
+        r = out["results"][name]
+        spread = f"{min(r['rounds_tokens_per_s']):.0f}-{max(r['rounds_tokens_per_s']):.0f}"
+        print(f"| {label:<14} | {r['tokens_per_s']:>9.0f} | {r['tflops']:>8.4f} | {r['mfu']:>6.1%} | {spread:>22} "
+              f"| {r['final_loss']:>6.3f} |")
+    print(f"ratio megalm / HF: {out['ratio']:.3f} (of the medians), "
+          f"{out['paired_ratio']:.3f} (median of per-round ratios)")
+
+
+if __name__ == "__main__":
+    main()
