@@ -36,9 +36,12 @@ def cli(module, *args, cwd):
 
 
 def test_train_cli_has_a_pulse_and_generate_samples(tmp_path):
+    # The real default pipeline (stdlib corpus, sentencepiece trained here), kept small.
     run_dir = tmp_path / "run"
-    r = cli("megalm.train", *TINY, "trainer.max_steps=6", "trainer.eval_interval=3", f"hydra.run.dir={run_dir}",
-            cwd=tmp_path)
+    stdlib = ["data=stdlib", "data.max_corpus_mb=0.3", "data.split='80,20,0'", "data.tokenizer.vocab_size=512", "model.vocab_size=512",
+              f"data.cache_dir={tmp_path / 'cache'}"]
+    r = cli("megalm.train", *TINY, *stdlib, "trainer.max_steps=6", "trainer.eval_interval=3",
+            f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]
     frozen = OmegaConf.load(run_dir / "config.yaml")
     assert frozen.trainer.max_steps == 6 and frozen.model.name == "gpt_tiny"
@@ -54,6 +57,18 @@ def test_train_cli_has_a_pulse_and_generate_samples(tmp_path):
     g = cli("megalm.generate", str(run_dir), "--prompt", "", "--max-new-tokens", "8", "--seed", "1", cwd=tmp_path)
     assert g.returncode == 0, g.stderr[-3000:]
     assert "step 6" in g.stderr
+    assert (run_dir / "tokenizer.model").exists()
+
+
+def test_cfg_job_and_help_behave_as_in_any_hydra_app(tmp_path):
+    r = cli("megalm.train", "trainer.max_steps=50", "optimizer.lr=3e-4", "model=gpt_125m", "--cfg", "job",
+            cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    cfg = OmegaConf.create(r.stdout)
+    assert (cfg.trainer.max_steps, cfg.optimizer.lr, cfg.model.num_layers) == (50, 3e-4, 12)
+    h = cli("megalm.train", "--help", cwd=tmp_path)
+    assert h.returncode == 0 and "model: " in h.stdout and "gpt_175b" in h.stdout
+    assert not (tmp_path / "outputs").exists()  # neither starts a run
 
 
 def test_sweep_runs_each_job_in_its_own_dir(tmp_path):
@@ -86,6 +101,44 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert sorted(b) == list(range(1, 9))
     for step in range(5, 9):
         assert b[step] == pytest.approx(a[step], rel=1e-6), step
+
+
+def test_bf16_trains_close_to_fp32(tmp_path):
+    losses = {}
+    for precision in ("fp32", "bf16"):
+        run(load(*TINY, "trainer.max_steps=4", "trainer.eval_steps=0", f"trainer.precision={precision}"),
+            tmp_path / precision)
+        losses[precision] = [r["loss"] for r in records(tmp_path / precision) if "loss" in r]
+    # bf16 keeps 8 mantissa bits (relative rounding ~4e-3 per op); over 4 steps of a tiny
+    # model the loss may drift by a few percent, no more.
+    for a, b in zip(losses["fp32"], losses["bf16"]):
+        assert b == pytest.approx(a, rel=5e-2)
+    assert losses["fp32"] != losses["bf16"]  # autocast really ran in bf16
+
+
+def test_wandb_offline_and_tensorboard_error(tmp_path):
+    run(load(*TINY, "trainer.max_steps=2", "logging.wandb.mode=offline"), tmp_path / "w")
+    assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
+    import importlib.util
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ValueError, match="logging.tensorboard=true needs the tensorboard package"):
+            run(load(*TINY, "trainer.max_steps=1", "logging.tensorboard=true"), tmp_path / "tb")
+    else:
+        run(load(*TINY, "trainer.max_steps=1", "logging.tensorboard=true"), tmp_path / "tb")
+        assert list((tmp_path / "tb" / "tensorboard").iterdir())
+
+
+def test_half_written_checkpoint_is_not_resumed(tmp_path):
+    common = [*TINY, "trainer.eval_steps=0", "checkpoint.interval=2"]
+    run(load(*common, "trainer.max_steps=2"), tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    # A save killed midway leaves only its temporary folder; `latest` still names step 2.
+    (ckpt / ".step_00000004.tmp").mkdir()
+    (ckpt / ".step_00000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    run(load(*common, "trainer.max_steps=4"), tmp_path)
+    steps = [r["step"] for r in records(tmp_path) if "loss" in r]
+    assert steps == [1, 2, 3, 4]  # resumed at 2, not at the half-written 4
+    assert (ckpt / "latest").read_text().strip() == "step_00000004"
 
 
 def test_bad_layout_fails_before_allocating(tmp_path):
