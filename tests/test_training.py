@@ -1,0 +1,109 @@
+"""Optimizer groups, LR schedules, clipping, gradient accumulation, sampling."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from megalm.config import OptimizerConfig
+from megalm.generate import generate_ids, sample_next
+from megalm.models import build_model, init_weights
+from megalm.training.optim import LRSchedule, build_optimizer, grad_norm_and_clip, param_groups
+
+
+def test_no_weight_decay_on_norms_and_biases(tiny_model_cfg):
+    model = build_model(tiny_model_cfg)
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(p.ndim >= 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert no_decay["weight_decay"] == 0.0
+    no_decay_names = {names[id(p)] for p in no_decay["params"]}
+    assert "blocks.0.norm1.weight" in no_decay_names and "blocks.0.attn.qkv.bias" in no_decay_names
+    assert "norm.weight" in no_decay_names
+    # The tied embedding/head matrix is one parameter, counted once.
+    total = len(decay["params"]) + len(no_decay["params"])
+    assert total == len(list(model.parameters()))
+
+
+def test_decoupled_weight_decay_leaves_norms_alone(tiny_model_cfg):
+    model = build_model(tiny_model_cfg)
+    init_weights(model, tiny_model_cfg, 0)
+    opt = build_optimizer(OptimizerConfig(lr=0.1, weight_decay=0.5), model)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # no gradient: only weight decay can move a weight
+    before_norm = model.blocks["0"].norm1.weight.clone()
+    before_w = model.blocks["0"].mlp.fc1.weight.clone()
+    opt.step()
+    torch.testing.assert_close(model.blocks["0"].norm1.weight, before_norm, rtol=0, atol=0)
+    torch.testing.assert_close(model.blocks["0"].mlp.fc1.weight, before_w * (1 - 0.1 * 0.5))
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_lr_schedule_shape(decay):
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay=decay)
+    lr = LRSchedule(cfg, max_steps=110)
+    assert lr(0) == pytest.approx(0.1) and lr(9) == pytest.approx(1.0)  # linear warmup to the peak
+    assert lr(10) == pytest.approx(1.0)
+    end = 1.0 if decay == "constant" else 0.1
+    assert lr(110) == pytest.approx(end) and lr(500) == pytest.approx(end)
+    mid = {"cosine": 0.1 + 0.9 * 0.5, "linear": 0.1 + 0.9 * 0.5, "constant": 1.0}[decay]
+    assert lr(60) == pytest.approx(mid)
+    if decay == "cosine":  # cosine stays above linear in the first half
+        assert lr(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.25)))
+
+
+def test_decay_steps_decouple_the_schedule_from_max_steps():
+    cfg = OptimizerConfig(lr=1.0, min_lr=0.0, warmup_steps=0, decay="linear", decay_steps=100)
+    assert LRSchedule(cfg, max_steps=10)(50) == pytest.approx(0.5)
+
+
+def test_clipping_uses_the_global_norm():
+    a, b = torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)
+    a.grad, b.grad = torch.full((3,), 3.0), torch.full((4,), 4.0)
+    expected = math.sqrt(3 * 9 + 4 * 16)
+    norm, finite = grad_norm_and_clip([a, b], max_norm=1.0)
+    assert finite and norm.item() == pytest.approx(expected)
+    clipped = math.sqrt(a.grad.pow(2).sum() + b.grad.pow(2).sum())
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+    b.grad[0] = float("inf")
+    assert grad_norm_and_clip([a, b], 1.0)[1] is False
+
+
+def test_gradient_accumulation_matches_one_big_batch(tiny_model_cfg):
+    torch.manual_seed(0)
+    batch = torch.randint(0, tiny_model_cfg.vocab_size, (8, tiny_model_cfg.seq_length + 1))
+    grads = []
+    for micro in (8, 2):
+        model = build_model(tiny_model_cfg)
+        init_weights(model, tiny_model_cfg, 0)
+        n = 8 // micro
+        for mb in batch.split(micro):
+            (model(mb[:, :-1], mb[:, 1:]) / n).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_top_k_and_top_p_sampling():
+    logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 0.0, 0, 1.0).item() == 0                      # greedy
+    draws = {sample_next(logits, 1.0, 2, 1.0, g).item() for _ in range(200)}
+    assert draws == {0, 1}                                                   # top-k keeps 2
+    probs = logits.softmax(-1)[0]
+    p = float(probs[0] + probs[1]) - 1e-4          # needs the top two, not the third
+    draws = {sample_next(logits, 1.0, 0, p, g).item() for _ in range(300)}
+    assert draws == {0, 1}
+    assert {sample_next(logits, 1.0, 0, 0.01, g).item() for _ in range(50)} == {0}
+
+
+def test_kv_cached_generation_equals_uncached(tiny_model_cfg):
+    cfg = dataclasses.replace(tiny_model_cfg, position_embedding="rope", num_query_groups=2)
+    model = build_model(cfg)
+    init_weights(model, cfg, 0)
+    prompt = [5, 6, 7]
+    kw = dict(max_new_tokens=10, temperature=0.0, vocab_size=cfg.vocab_size)
+    cached = list(generate_ids(model, prompt, use_cache=True, **kw))
+    plain = list(generate_ids(model, prompt, use_cache=False, **kw))
+    assert cached == plain and len(cached) == 10
+    assert all(t < cfg.vocab_size for t in cached)  # padded vocabulary rows are never sampled
