@@ -84,8 +84,8 @@ def copy_weights(src, dst) -> None:
     HF's Conv1D stores weights as (in, out), the transpose of nn.Linear.
     """
     t = dst.transformer
-    t.wte.weight.copy_(src.embed.weight)
-    t.wpe.weight.copy_(src.pos_embed.weight)
+    t.wte.weight.copy_(src.embed.tok.weight)
+    t.wpe.weight.copy_(src.embed.pos.weight)
     for i, b in enumerate(src.blocks.values()):
         h = t.h[i]
         pairs = [(b.norm1, h.ln_1, False), (b.attn.qkv, h.attn.c_attn, True), (b.attn.proj, h.attn.c_proj, True),

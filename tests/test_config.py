@@ -35,6 +35,11 @@ def test_every_yaml_composes_and_validates(group, name):
         overrides += [BIG, "trainer.micro_batch_size=1", "trainer.global_batch_size=64"]
     cfg = load(*overrides)
     assert getattr(cfg, group).name == name or group == "optimizer"
+    if group == "parallel" and cfg.parallel.pp > 1:
+        # Layouts of the pipeline issue compose and type-check now; validate refuses them clearly.
+        with pytest.raises(ValueError, match="pipeline parallelism is not available yet"):
+            validate(cfg, ranks_needed(cfg))
+        return
     validate(cfg, ranks_needed(cfg))
 
 
@@ -51,9 +56,9 @@ def test_gpt3_175b_matches_the_paper():
 
 
 def test_validation_never_rewrites_values():
-    cfg = load("parallel=tp8_pp8", BIG, "trainer.micro_batch_size=1")
+    cfg = load("parallel=tp2", "parallel.dp=-1", BIG, "trainer.micro_batch_size=1")
     before = OmegaConf.to_yaml(OmegaConf.structured(cfg))
-    validate(cfg, 128)  # dp = -1 resolves to 2 without touching cfg.parallel.dp
+    validate(cfg, 8)  # dp = -1 resolves to 4 without touching cfg.parallel.dp
     assert cfg.parallel.dp == -1
     assert OmegaConf.to_yaml(OmegaConf.structured(cfg)) == before
 

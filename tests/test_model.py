@@ -50,9 +50,9 @@ def test_loss_at_init_near_log_vocab(tiny_model_cfg):
 
 def test_tied_and_untied(tiny_model_cfg):
     tied = make(tiny_model_cfg)
-    assert tied.head.weight is tied.embed.weight
+    assert tied.head.weight is tied.embed.tok.weight
     untied = make(dataclasses.replace(tiny_model_cfg, tie_embeddings=False))
-    assert untied.head.weight is not untied.embed.weight
+    assert untied.head.weight is not untied.embed.tok.weight
     n_tied = sum(p.numel() for p in tied.parameters())
     n_untied = sum(p.numel() for p in untied.parameters())
     assert n_untied - n_tied == tiny_model_cfg.padded_vocab_size * tiny_model_cfg.hidden_size
@@ -64,7 +64,7 @@ def test_meta_build_then_materialise_keeps_tie_and_init(tiny_model_cfg):
     meta.to_empty(device="cpu")
     meta.tie_weights()
     init_weights(meta, tiny_model_cfg, 3)
-    assert meta.head.weight is meta.embed.weight
+    assert meta.head.weight is meta.embed.tok.weight
     for (n1, p1), (n2, p2) in zip(eager.named_parameters(), meta.named_parameters()):
         assert n1 == n2
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)

@@ -9,7 +9,8 @@ import torch
 from megalm.config import OptimizerConfig
 from megalm.generate import generate_ids, sample_next
 from megalm.models import build_model, init_weights
-from megalm.training.optim import LRSchedule, build_optimizer, grad_norm_and_clip, param_groups
+from megalm.parallel.grads import clip_grads
+from megalm.training.optim import LRSchedule, build_optimizer, param_groups
 
 
 def test_no_weight_decay_on_norms_and_biases(tiny_model_cfg):
@@ -62,12 +63,12 @@ def test_clipping_uses_the_global_norm():
     a, b = torch.zeros(3, requires_grad=True), torch.zeros(4, requires_grad=True)
     a.grad, b.grad = torch.full((3,), 3.0), torch.full((4,), 4.0)
     expected = math.sqrt(3 * 9 + 4 * 16)
-    norm, finite = grad_norm_and_clip([a, b], max_norm=1.0)
+    norm, finite = clip_grads([a, b], max_norm=1.0)
     assert finite and norm.item() == pytest.approx(expected)
     clipped = math.sqrt(a.grad.pow(2).sum() + b.grad.pow(2).sum())
     assert clipped == pytest.approx(1.0, rel=1e-5)
     b.grad[0] = float("inf")
-    assert grad_norm_and_clip([a, b], 1.0)[1] is False
+    assert clip_grads([a, b], 1.0)[1] is False
 
 
 def test_gradient_accumulation_matches_one_big_batch(tiny_model_cfg):

@@ -164,11 +164,15 @@ class TrainerConfig:
 @dataclass
 class TokenizerConfig:
     type: str = "sentencepiece"
-    """sentencepiece | null (pre-tokenized data: ids are used as they are)."""
+    """sentencepiece | huggingface (a tokenizer.json, needs megalm[hf]) | null (pre-tokenized: ids are used as they are)."""
     model: Optional[str] = None
-    """Path to a sentencepiece .model; None = train one on the corpus and cache it."""
+    """A sentencepiece .model, or a Hugging Face tokenizer.json (or its folder); None = train a sentencepiece model on the corpus."""
     vocab_size: int = 8192
     """Vocabulary when training a tokenizer, or the id range of the null tokenizer."""
+    eod_token: Optional[str] = None
+    """huggingface: the end-of-document token; None = the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> it has."""
+    add_special_tokens: bool = False
+    """huggingface: apply the tokenizer.json post-processor to each document (e.g. Llama's <s> in front)."""
 
 
 @dataclass
@@ -178,15 +182,21 @@ class DataConfig:
     source: str = "stdlib"
     """stdlib (Python's own sources, embedded default) | mock (random tokens) | indexed (.bin/.idx files)."""
     paths: List[str] = field(default_factory=list)
-    """Prefixes of Megatron .bin/.idx files (source=indexed)."""
+    """One .bin/.idx prefix (source=indexed); Megatron's flat weighted form [w, prefix, w, prefix, ...] also works."""
+    blend: List[Any] = field(default_factory=list)
+    """Weighted .bin/.idx prefixes (source=indexed): [[0.3, prefix_a], [0.7, prefix_b]] or flat [0.3, prefix_a, 0.7, prefix_b]."""
     split: str = "98,2,0"
     """Train, validation, test weights over documents."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     """How text becomes token ids."""
     cache_dir: str = "~/.cache/megalm"
-    """Where tokenizers and tokenized corpora are cached."""
+    """Where tokenizers, tokenized corpora and sample indices are cached."""
     max_corpus_mb: float = 0.0
     """Use at most this many MB of the stdlib corpus (0 = all of it)."""
+    eod_mask_loss: bool = False
+    """Zero the loss at positions whose input token is end-of-document (Megatron's --eod-mask-loss)."""
+    check_vocab: bool = True
+    """Scan each .bin once (result cached) for token ids outside the tokenizer's vocabulary."""
     num_workers: int = 0
     """Reserved for background loading; 0 = load in the training process."""
 
@@ -373,6 +383,12 @@ def validate(cfg: Config, world_size: int) -> None:
             f"trainer.precision={t.precision} is not available yet; use fp32 or bf16")
     if cfg.checkpoint.async_save:
         raise ValueError("checkpoint.async_save=true is not available yet; use false")
+    if p.pp > 1 or p.virtual_pipeline_size > 1:
+        raise ValueError(f"parallel.pp={p.pp} / virtual_pipeline_size={p.virtual_pipeline_size}: pipeline "
+                         "parallelism is not available yet; use pp=1")
+    if p.sequence_parallel and m.seq_length % p.tp:
+        raise ValueError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
+                         f"parallel.tp={p.tp}, which does not divide it")
     if p.zero_stage != 0 or p.recompute != "none":
         raise ValueError(f"parallel.zero_stage={p.zero_stage} / parallel.recompute={p.recompute} are not "
                          "available yet; use zero_stage=0 and recompute=none")

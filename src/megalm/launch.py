@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -65,8 +66,65 @@ def plan_world(cfg: Config) -> int:
             f"`torchrun --nnodes {nodes} --nproc-per-node {per_node} -m megalm.train model={cfg.model.name} "
             f"parallel={p.name} cluster=torchrun_h200` on each node, or under SLURM "
             f"`srun --nodes {nodes} --ntasks-per-node {per_node} python -m megalm.train ... cluster=slurm_h100`.")
-    if need > 1:
-        raise ValueError(
-            f"parallel={p.name} needs {need} ranks; spawning several ranks on this machine is not "
-            "available yet, so use parallel=single")
     return need
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_local(cfg: Config, run_dir: Path, world_size: int):
+    """Start `world_size` ranks on this machine through PyTorch's elastic launcher; rank 0's result.
+
+    The ranks get the already-composed, frozen Config (Hydra runs once, here), so they agree on
+    every value and on the run directory. A rank that raises stops the whole job: the agent
+    kills the others and ChildFailedError carries the failing rank's traceback.
+    """
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    launch_cfg = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megalm-{os.getpid()}",
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.cluster.max_restarts,
+        monitor_interval=0.2, start_method="spawn")
+    results = elastic_launch(launch_cfg, rank_main)(cfg, str(run_dir))
+    return results[0]
+
+
+def init_distributed(cfg: Config, device_type: str) -> None:
+    """Join the process group the launcher (elastic agent, torchrun or srun) describes in the environment."""
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return
+    env = os.environ
+    if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
+        raise ValueError("under srun set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
+                         "$SLURM_JOB_NODELIST and a free port) before starting megalm")
+    if "RANK" not in env:  # srun: translate SLURM's variables to the ones torch reads
+        env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
+        env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    backend = cfg.cluster.backend
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def rank_main(cfg: Config, run_dir: str):
+    """Entry point of a spawned rank."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    return record(_rank_main)(cfg, run_dir)
+
+
+def _rank_main(cfg: Config, run_dir: str):
+    import torch.distributed as dist
+    from megalm.train import resolve_device, run, setup_rank_logging
+    rank = int(os.environ["RANK"])
+    setup_rank_logging(rank, Path(run_dir))
+    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+    try:
+        return run(cfg, Path(run_dir), int(os.environ["WORLD_SIZE"]))
+    finally:
+        dist.destroy_process_group()

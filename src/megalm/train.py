@@ -7,17 +7,19 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
 import hydra
 import torch
+import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from megalm.config import Config, conf_dir, register_configs, reject_unknown_keys, validate
-from megalm.launch import plan_world
+from megalm.launch import detect_rank_env, init_distributed, plan_world, spawn_local
 
 log = logging.getLogger("megalm.train")
 register_configs()
@@ -31,12 +33,28 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def setup_rank_logging(rank: int, run_dir: Path) -> None:
+    """Spawned ranks do not run Hydra: rank 0 logs to the console and train.log, others warnings only."""
+    fmt = logging.Formatter(f"[%(asctime)s][%(name)s][%(levelname)s][rank {rank}] - %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(fmt)
+        root.addHandler(file)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     """Train on this rank; return the final validation loss (None when evaluation is off)."""
     from megalm.data import build_data
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, flops_per_token, init_weights
-    from megalm.parallel import parallelize
+    from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.metrics import MetricLogger, Throughput, measure_matmul_peak
     from megalm.training.optim import LRSchedule, build_optimizer
@@ -44,11 +62,14 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
 
     t = cfg.trainer
     device = resolve_device(t.device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type == "cpu":
-        torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // world_size))
-    torch.manual_seed(t.seed)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")  # the frozen, resolved config
+        torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+    torch.manual_seed(t.seed)  # the stream shared by every rank (dropout on replicated activations)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")  # the frozen, resolved config
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     mesh = build_mesh(dims, device.type)
@@ -56,24 +77,27 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {data.tokenizer.vocab_size}")
-    data.tokenizer.save_to(run_dir)
+    if rank == 0:
+        data.tokenizer.save_to(run_dir)
 
     model = build_model(cfg.model, device="meta")
-    model = parallelize(model, mesh, cfg.parallel)
-    model.to_empty(device=device)
-    model.tie_weights()
+    model = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    materialize(model, device)
     init_weights(model, cfg.model, t.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters on %s; run directory %s", cfg.model.name, n_params / 1e6, device, run_dir)
+    log.info("model %s: %.2fM parameters on this rank (%s, world %d: %s); run directory %s", cfg.model.name,
+             n_params / 1e6, device, world_size, dims, run_dir)
 
     optimizer = build_optimizer(cfg.optimizer, model)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir)
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
+    metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
+                           OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer,
-        metrics=MetricLogger(cfg.logging, run_dir, OmegaConf.to_container(OmegaConf.structured(cfg))),
-        throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device)
+        checkpointer=checkpointer, metrics=metrics, mesh=mesh,
+        throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
+        is_rank0=rank == 0)
     latest = checkpointer.latest()
     if latest is not None:  # auto-resume: the run directory already holds a complete checkpoint
         trainer.load(latest)
@@ -93,7 +117,21 @@ def main(dcfg: DictConfig) -> Optional[float]:
     except (ValueError, MissingMandatoryValue) as e:
         raise SystemExit(f"megalm: invalid config: {e}") from None
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
-    return run(cfg, run_dir, world)
+    if detect_rank_env() is not None:  # started by torchrun or srun: this process is one rank
+        init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+        shared = [str(run_dir)]  # ranks may have started seconds apart: take rank 0's directory
+        dist.broadcast_object_list(shared, src=0)
+        try:
+            return run(cfg, Path(shared[0]), world)
+        finally:
+            dist.destroy_process_group()
+    if world == 1:
+        return run(cfg, run_dir, 1)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    try:
+        return spawn_local(cfg, run_dir, world)
+    except ChildFailedError as e:
+        raise SystemExit(f"megalm: a rank failed, so the job stopped.\n{e.format_msg()}") from None
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.models.layers import Block, KVCache, build_norm, output_init_std, rope_tables
+from megalm.models.layers import Block, Embedding, KVCache, build_norm, output_init_std, rope_tables
 
 
 class GPT(nn.Module):
@@ -23,20 +23,18 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         V, h = cfg.padded_vocab_size, cfg.hidden_size
-        self.embed: Optional[nn.Embedding] = nn.Embedding(V, h)
-        self.pos_embed: Optional[nn.Embedding] = (
-            nn.Embedding(cfg.seq_length, h) if cfg.position_embedding == "learned" else None)
-        self.drop = nn.Dropout(cfg.dropout)
+        self.embed: Optional[Embedding] = Embedding(cfg)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[nn.Module] = build_norm(cfg)
         self.head: Optional[nn.Linear] = nn.Linear(h, V, bias=False)
+        self.loss: Optional[nn.Module] = LMLoss(cfg.vocab_size)
         self.tie_weights()
         self._rope: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     def tie_weights(self) -> None:
         """Share embedding and head weights; call again after to_empty(), which unties them."""
         if self.cfg.tie_embeddings and self.embed is not None and self.head is not None:
-            self.head.weight = self.embed.weight
+            self.head.weight = self.embed.tok.weight
 
     def rope(self, length: int, device: torch.device):
         if self.cfg.position_embedding != "rope":
@@ -51,29 +49,52 @@ class GPT(nn.Module):
                 loss_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 start: int = 0) -> torch.Tensor:
         """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss."""
-        B, T = tokens.shape
-        x = self.embed(tokens)  # (B, T, h)
-        if self.pos_embed is not None:
-            if start + T > self.cfg.seq_length:
-                raise ValueError(f"position {start + T} exceeds model.seq_length={self.cfg.seq_length}")
-            x = x + self.pos_embed(torch.arange(start, start + T, device=tokens.device))
-        x = self.drop(x)
+        T = tokens.shape[1]
+        x = self.embed(tokens, start)  # (B, T, h), or this rank's sequence shard under SP
         rope = self.rope(start + T, tokens.device)
         for block in self.blocks.values():
             x = block(x, rope, cache, start)
-        logits = self.head(self.norm(x))  # (B, T, V)
+        logits = self.head(self.norm(x))  # (B, T, V), or this rank's vocabulary shard under TP
         if labels is None:
             return logits
-        return lm_loss(logits, labels, loss_mask)
+        return self.loss(logits, labels, loss_mask)
 
 
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Mean next-token cross-entropy over the tokens the mask keeps (all when no mask), in fp32."""
-    losses = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+class LMLoss(nn.Module):
+    """Mean next-token cross-entropy over the tokens the mask keeps, in fp32.
+
+    Logit columns past the real vocabulary are padding and excluded from the softmax, so the
+    loss does not depend on how far the embedding was padded. Tensor parallelism swaps this
+    module for the vocab-parallel version, which computes the same number from vocab shards.
+    """
+
+    def __init__(self, vocab_size: int, label_smoothing: float = 0.0):
+        super().__init__()
+        self.vocab_size, self.label_smoothing = vocab_size, label_smoothing
+
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits.masked_fill(
+                torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size, float("-inf"))
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none",
+                               label_smoothing=self.label_smoothing).view(labels.shape)
+
+    def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
+        return masked_mean(self.per_token(logits, labels), loss_mask)
+
+
+def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if loss_mask is None:
         return losses.mean()
-    mask = loss_mask.flatten().float()
+    mask = loss_mask.float()
     return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+            vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Functional form of LMLoss (vocab_size None = no padding)."""
+    return LMLoss(vocab_size or logits.shape[-1])(logits, labels, loss_mask)
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -98,9 +119,15 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             p.fill_(1.0)
         else:
             std = out_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else cfg.init_std
+            # A tensor-parallel shard (tagged `tp_shard` by megalm.parallel) draws the full tensor
+            # of its global name and keeps its own slice, so the weights do not depend on tp.
+            shard = getattr(p, "tp_shard", None)
+            shape = list(p.shape)
+            if shard is not None:
+                shape[shard.dim] *= shard.world
             g = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
-            full = torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-            p.copy_(full)
+            full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            p.copy_(shard.local(full) if shard is not None else full)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:

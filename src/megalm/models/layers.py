@@ -64,17 +64,18 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
+        self.core = AttentionCore(cfg.attention_dropout)
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
-        self.attention_dropout = cfg.attention_dropout
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[KVCache] = None, start: int = 0) -> torch.Tensor:
-        B, T, _ = x.shape
-        # Head counts come from the weights, so a tensor-parallel shard of qkv works unchanged.
-        q_size = self.qkv.out_features * self.num_heads // (self.num_heads + 2 * self.kv_heads)
-        kv_size = (self.qkv.out_features - q_size) // 2
-        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd); T is the full sequence even when x is a shard
+        B, T, width = qkv.shape
+        # Head counts come from the width, so a tensor-parallel shard of qkv works unchanged.
+        q_size = width * self.num_heads // (self.num_heads + 2 * self.kv_heads)
+        kv_size = (width - q_size) // 2
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -83,20 +84,33 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, start, k, v)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        if cache is not None and T > 1 and start > 0:
-            # A chunk after a prefix: query t sees all cached keys and chunk keys up to itself.
-            mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=x.device).tril(diagonal=start)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=T > 1,
-                dropout_p=self.attention_dropout if self.training else 0.0)
+        y = self.core(q, k, v, start)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.dropout(self.proj(y))
+
+
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(hd)) v with the causal mask, on SDPA; no parameters.
+
+    A module of its own so the parallel code can wrap it (dropout RNG stream, recomputation).
+    """
+
+    def __init__(self, attention_dropout: float):
+        super().__init__()
+        self.attention_dropout = attention_dropout
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
+        T, S = q.shape[2], k.shape[2]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        if T > 1 and S != T:
+            # A chunk after a cached prefix: query t sees every cached key and the chunk up to itself.
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=T > 1, dropout_p=self.attention_dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -118,6 +132,25 @@ class MLP(nn.Module):
         else:
             h = F.gelu(h, approximate="tanh")
         return self.dropout(self.fc2(h))
+
+
+class Embedding(nn.Module):
+    """Token embedding, plus learned positions when the model has them, then dropout."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.pos = nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        x = self.tok(tokens)  # (B, T, h)
+        if self.pos is not None:
+            T = tokens.shape[1]
+            if start + T > self.pos.num_embeddings:
+                raise ValueError(f"position {start + T} exceeds model.seq_length={self.pos.num_embeddings}")
+            x = x + self.pos(torch.arange(start, start + T, device=tokens.device))
+        return self.drop(x)
 
 
 class Block(nn.Module):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Iterable, List, Tuple
+from typing import List
 
 import torch
 from torch import nn
@@ -61,20 +61,3 @@ class LRSchedule:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
-
-
-def grad_norm_and_clip(params: Iterable[torch.Tensor], max_norm: float) -> Tuple[torch.Tensor, bool]:
-    """Global L2 norm of the gradients; scaled down to max_norm when above it (0 = never).
-
-    Single-process for now; the parallel issue reduces the squared norm across tp, pp and dp.
-    Returns the norm before clipping and whether it was finite.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(()), True
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
-    finite = bool(torch.isfinite(norm))
-    if max_norm > 0 and finite:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-    return norm, finite

@@ -15,7 +15,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from megalm.config import TrainerConfig
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
-from megalm.training.optim import LRSchedule, grad_norm_and_clip, set_lr
+from megalm.parallel.grads import clip_grads, finalize_grads, mean_over
+from megalm.training.optim import LRSchedule, set_lr
 
 log = logging.getLogger("megalm.trainer")
 
@@ -23,13 +24,17 @@ log = logging.getLogger("megalm.trainer")
 class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, metrics: MetricLogger,
-                 throughput: Throughput, device: torch.device, dp_rank: int = 0, dp_size: int = 1,
-                 is_rank0: bool = True):
+                 throughput: Throughput, device: torch.device, mesh=None, is_rank0: bool = True):
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
-        self.device, self.is_rank0 = device, is_rank0
-        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.device, self.is_rank0, self.mesh = device, is_rank0, mesh
+        self.params = list(model.parameters())
+        self.tp_group = mesh["tp"].get_group() if mesh is not None else None
+        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
+        self.dp_size = mesh["dp"].size() if mesh is not None else 1
+        dp_rank, dp_size = self.dp_rank, self.dp_size
         self.step = 0
         self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
                                        global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
@@ -65,7 +70,8 @@ class Trainer:
                 loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
             loss.backward()
             total += loss.detach()
-        norm, finite = grad_norm_and_clip(self.model.parameters(), self.cfg.grad_clip)
+        finalize_grads(self.model, self.mesh)
+        norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group)
         if finite:
             self.optimizer.step()
         else:
@@ -73,7 +79,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.throughput.add(self.cfg.global_batch_size * (micro_batches[0].shape[1] - 1))  # seq tokens a sample
-        return {"loss": total.item(), "lr": lr, "grad_norm": norm.item()}
+        return {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -89,7 +95,7 @@ class Trainer:
                 mb = mb.to(self.device)
                 with self._autocast():
                     losses.append(self.model(mb[:, :-1], mb[:, 1:]).float())
-        return torch.stack(losses).mean().item()
+        return mean_over(torch.stack(losses).mean(), self.dp_group).item()
 
     def _eval_and_log(self, bar) -> None:
         if self.cfg.eval_steps == 0:

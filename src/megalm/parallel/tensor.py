@@ -1,0 +1,340 @@
+"""Tensor-parallel layers holding only this rank's shard (Megatron-LM, arXiv:1909.08053).
+
+Linear layers come in the paper's pair (sec. 3, fig. 3): a column-parallel linear splits the
+output features, so Y_i = X A_i needs a replicated X and yields a shard of Y; a row-parallel
+linear splits the input features, so Z = sum_i Y_i B_i is a sum of partial products that one
+all-reduce completes. An MLP or attention block is then column → (local nonlinearity / heads)
+→ row with one all-reduce forward and one backward. With sequence parallelism
+(arXiv:2205.05198) the replicated activations outside the pair are split by sequence instead,
+and the all-reduce becomes all-gather (entry) + reduce-scatter (exit).
+
+Parameters are allocated, never initialised: megalm's `init_weights` draws each full tensor by
+its global name and keeps `param.tp_shard.local(full)`. Replicated parameters have no tp_shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from megalm.distributed.comm import (all_reduce_max, all_reduce_sum, copy_to_tp, gather_last_dim,
+                                     gather_seq, group_rank, group_size, reduce_from_tp,
+                                     reduce_scatter_seq)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """Where a rank's shard sits in the full tensor: even slices of every segment along `dim`.
+
+    A fused weight such as QKV ([q | k | v] rows) must not be cut into contiguous blocks, or
+    rank 0 would get all of q; instead each segment is split and a rank holds
+    [q_r | k_r | v_r], which keeps its heads whole and the local split sizes proportional.
+    """
+    dim: int
+    rank: int
+    world: int
+    segments: Optional[Tuple[int, ...]] = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"TPShard rank {self.rank} outside a group of {self.world}")
+        if self.segments is not None:
+            object.__setattr__(self, "segments", tuple(int(s) for s in self.segments))
+            bad = [s for s in self.segments if s % self.world]
+            if bad:
+                raise ValueError(f"segments {list(self.segments)}: sizes {bad} are not divisible by "
+                                 f"the tensor-parallel size {self.world}")
+
+    def _segments(self, full_size: int) -> Tuple[int, ...]:
+        if self.segments is None:
+            if full_size % self.world:
+                raise ValueError(f"size {full_size} of dim {self.dim} is not divisible by the "
+                                 f"tensor-parallel size {self.world}")
+            return (full_size,)
+        if sum(self.segments) != full_size:
+            raise ValueError(f"segments {list(self.segments)} sum to {sum(self.segments)}, "
+                             f"but dim {self.dim} has size {full_size}")
+        return self.segments
+
+    def full_shape(self, local_shape: Sequence[int]) -> Tuple[int, ...]:
+        """Shape of the full tensor whose shard has `local_shape`."""
+        shape = list(local_shape)
+        shape[self.dim] *= self.world
+        return tuple(shape)
+
+    def local(self, full: Tensor) -> Tensor:
+        """This rank's shard of `full` (a copy-free view where the layout allows)."""
+        parts = []
+        start = 0
+        for seg in self._segments(full.shape[self.dim]):
+            n = seg // self.world
+            parts.append(full.narrow(self.dim, start + self.rank * n, n))
+            start += seg
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
+
+
+def full_from_shards(shards: List[Tensor], spec: TPShard) -> Tensor:
+    """Inverse of TPShard.local: the full tensor from every rank's shard, in rank order."""
+    if len(shards) != spec.world:
+        raise ValueError(f"got {len(shards)} shards for a tensor-parallel size of {spec.world}")
+    local_size = shards[0].shape[spec.dim]
+    segments = spec.segments or (local_size * spec.world,)
+    local_segs = [s // spec.world for s in segments]
+    if sum(local_segs) != local_size:
+        raise ValueError(f"shards have size {local_size} on dim {spec.dim}; segments "
+                         f"{list(segments)} need {sum(local_segs)} per rank")
+    per_rank = [s.split(local_segs, dim=spec.dim) for s in shards]  # [rank][segment]
+    return torch.cat([per_rank[r][i] for i in range(len(local_segs)) for r in range(spec.world)],
+                     dim=spec.dim)
+
+
+class _ShardedModule(nn.Module):
+    """Keeps `tp_shard` (and other markers) on parameters across to_empty()/to()/cuda().
+
+    nn.Module._apply replaces a Parameter object when the device type changes (meta → cpu), which
+    drops attributes set on it; re-attach them after every conversion.
+    """
+
+    def _mark(self, name: str, **attrs) -> None:
+        self.__dict__.setdefault("_param_marks", {}).setdefault(name, {}).update(attrs)
+        for k, v in attrs.items():
+            setattr(self._parameters[name], k, v)
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        for name, attrs in self.__dict__.get("_param_marks", {}).items():
+            p = self._parameters.get(name)
+            if p is not None:
+                for k, v in attrs.items():
+                    setattr(p, k, v)
+        return out
+
+
+class ColumnParallelLinear(_ShardedModule):
+    """y = x A^T + b with A split by rows (output features): this rank computes y[..., shard].
+
+    Input (B, T, in) replicated → copy_to_tp (f: its gradient is the sum over ranks), or with
+    sequence parallelism (B, T/tp, in) → gather_seq. Output (B, T, out/tp), or the full
+    (B, T, out) with gather_output. `segments` describes a fused output ([q | k | v],
+    [gate | up]); each segment is split across ranks (see TPShard).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group,
+                 segments: Optional[Sequence[int]] = None, gather_output: bool = False,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        world, rank = group_size(group), group_rank(group)
+        if segments is not None and sum(segments) != out_features:
+            raise ValueError(f"segments {list(segments)} sum to {sum(segments)}, not out_features={out_features}")
+        if out_features % world:
+            raise ValueError(f"ColumnParallelLinear out_features={out_features} is not divisible by "
+                             f"the tensor-parallel size {world}")
+        self.group, self.world = group, world
+        self.shard = TPShard(0, rank, world, tuple(segments) if segments is not None else None)
+        self.in_features, self.global_out_features = in_features, out_features
+        self.local_out_features = out_features // world
+        # The width this module returns, so code written for nn.Linear splits its output right.
+        self.out_features = out_features if gather_output else self.local_out_features
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(self.local_out_features, in_features, **kw))  # (out/tp, in)
+        self._mark("weight", tp_shard=self.shard)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.local_out_features, **kw))  # (out/tp,)
+            self._mark("bias", tp_shard=self.shard)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.sequence_parallel:
+            x = gather_seq(x, self.group, dim=1)  # (B, T/tp, in) → (B, T, in)
+        else:
+            x = copy_to_tp(x, self.group)  # (B, T, in), replicated
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        if not self.gather_output:
+            return y
+        y = gather_last_dim(y, self.group)  # (B, T, out) as [rank0 | rank1 | ...]
+        if self.shard.segments is None:
+            return y
+        # Rank order interleaves the segments ([q0 k0 v0 | q1 k1 v1]); restore [q | k | v].
+        local = [s // self.world for s in self.shard.segments]
+        per_rank = [chunk.split(local, dim=-1) for chunk in y.chunk(self.world, dim=-1)]
+        return torch.cat([per_rank[r][i] for i in range(len(local)) for r in range(self.world)], dim=-1)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.global_out_features} "
+                f"(local {self.local_out_features}), bias={self.bias is not None}, tp={self.world}, "
+                f"segments={self.shard.segments}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class RowParallelLinear(_ShardedModule):
+    """z = x B^T + b with B split by columns (input features): z = sum_r x_r B_r^T.
+
+    Input (B, T, in/tp), already split by the column-parallel layer before it. The partial
+    products are summed by reduce_from_tp (g), or with sequence parallelism reduce-scattered to
+    (B, T/tp, out). The bias is replicated and added once, after the sum. Under sequence
+    parallelism each rank's bias gradient covers only its tokens, so the bias is marked
+    `sequence_parallel = True`: its gradient must be all-reduced over the tp group.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__()
+        world, rank = group_size(group), group_rank(group)
+        if in_features % world:
+            raise ValueError(f"RowParallelLinear in_features={in_features} is not divisible by "
+                             f"the tensor-parallel size {world}")
+        self.group, self.world = group, world
+        self.shard = TPShard(1, rank, world)
+        self.global_in_features, self.out_features = in_features, out_features
+        self.in_features = in_features // world  # the width this module takes
+        self.sequence_parallel = sequence_parallel
+        kw = dict(device=device, dtype=dtype)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_features, **kw))  # (out, in/tp)
+        self._mark("weight", tp_shard=self.shard)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **kw))  # (out,), replicated
+            if sequence_parallel and world > 1:
+                self._mark("bias", sequence_parallel=True)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"RowParallelLinear expects the last dim {self.in_features} "
+                             f"(= {self.global_in_features} / tp {self.world}); got shape {tuple(x.shape)}")
+        y = F.linear(x, self.weight)  # (B, T, out), a partial sum over this rank's inputs
+        if self.sequence_parallel:
+            y = reduce_scatter_seq(y, self.group, dim=1)  # (B, T/tp, out)
+        else:
+            y = reduce_from_tp(y, self.group)  # (B, T, out)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.global_in_features} (local {self.in_features}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, tp={self.world}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+
+class VocabParallelEmbedding(_ShardedModule):
+    """Embedding with the vocabulary split by rows (paper sec. 3, "input embedding").
+
+    Rank r holds rows [r V/tp, (r+1) V/tp). Ids outside the shard look up row 0 and are zeroed,
+    so summing over ranks (all-reduce, or reduce-scatter by sequence under sequence parallelism)
+    yields the full lookup with each id contributed by exactly one rank.
+    """
+
+    REDUCTIONS = ("all_reduce", "reduce_scatter", "none")
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, group, reduce: str = "all_reduce",
+                 device=None, dtype=None):
+        super().__init__()
+        world, rank = group_size(group), group_rank(group)
+        if num_embeddings % world:
+            raise ValueError(f"VocabParallelEmbedding num_embeddings={num_embeddings} is not divisible "
+                             f"by the tensor-parallel size {world}; pad the vocabulary to a multiple")
+        if reduce not in self.REDUCTIONS:
+            raise ValueError(f"reduce={reduce!r}; choose one of {self.REDUCTIONS}")
+        self.group, self.world, self.reduce = group, world, reduce
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        per_rank = num_embeddings // world
+        self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
+        self.shard = TPShard(0, rank, world)
+        self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, device=device, dtype=dtype))  # (V/tp, h)
+        self._mark("weight", tp_shard=self.shard)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if self.world > 1:
+            outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (B, T)
+            local = (ids - self.vocab_start).masked_fill(outside, 0)
+            y = F.embedding(local, self.weight)  # (B, T, h)
+            y = y.masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            y = F.embedding(ids, self.weight)
+        if self.reduce == "all_reduce":
+            return reduce_from_tp(y, self.group)  # (B, T, h)
+        if self.reduce == "reduce_scatter":
+            return reduce_scatter_seq(y, self.group, dim=1)  # (B, T/tp, h)
+        return y  # (B, T, h), this rank's partial lookup
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, rows [{self.vocab_start}, {self.vocab_end}), "
+                f"tp={self.world}, reduce={self.reduce}")
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over a vocabulary split by columns, never materialising the full row.
+
+    With s = z − max(z) (max over all ranks), log Z = log Σ_j e^{s_j} (sum over all ranks) and
+    loss = (1−ε)(log Z − s_t) + ε(log Z − mean_{j<V} s_j). Its gradient on the local shard is
+    softmax − (1−ε)·onehot(t) − ε/V on real columns, so backward needs only the local softmax.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, group, vocab_start, vocab_size, eps, ignore_index):
+        x = logits.float()  # (..., V/tp)
+        n_local = x.shape[-1]
+        cols = torch.arange(vocab_start, vocab_start + n_local, device=x.device)  # global ids
+        real = cols < vocab_size  # (V/tp,), padding columns are False
+        x = x.masked_fill(~real, float("-inf"))
+        # Stability: subtract the global max (its gradient cancels exactly, so no autograd).
+        m = all_reduce_max(x.max(dim=-1).values, group)  # (...)
+        s = x - m.unsqueeze(-1)  # (..., V/tp), −inf on padding
+        e = s.exp()
+        owned = (labels >= vocab_start) & (labels < vocab_start + n_local)  # target in this shard
+        t_local = (labels - vocab_start).masked_fill(~owned, 0)
+        s_t = s.gather(-1, t_local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        # Σ e^s, the target logit (only its owner adds non-zero) and Σ_real s share one all-reduce.
+        sums = torch.stack([e.sum(-1), s_t, s.masked_fill(~real, 0.0).sum(-1)], dim=0)  # (3, ...)
+        sum_e, s_t, sum_s = all_reduce_sum(sums, group).unbind(0)
+        log_z = sum_e.log()
+        loss = log_z - s_t
+        if eps > 0.0:
+            loss = (1.0 - eps) * loss + eps * (log_z - sum_s / vocab_size)
+        ignored = labels == ignore_index
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = e.div_(sum_e.unsqueeze(-1))  # (..., V/tp), reuses e's memory
+        ctx.save_for_backward(softmax, t_local, owned & ~ignored, ignored, real)
+        ctx.eps, ctx.vocab_size, ctx.dtype = eps, vocab_size, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, t_local, owned, ignored, real = ctx.saved_tensors
+        # Overwrite the saved softmax in place (no second vocab-shard buffer); a second backward
+        # through a retained graph then fails autograd's version check instead of going wrong.
+        g = softmax
+        if ctx.eps > 0.0:
+            g.sub_(real.to(g.dtype) * (ctx.eps / ctx.vocab_size))
+        hit = owned.to(g.dtype) * (1.0 - ctx.eps)  # (...)
+        g.scatter_add_(-1, t_local.unsqueeze(-1), -hit.unsqueeze(-1))
+        g.mul_(grad.masked_fill(ignored, 0.0).unsqueeze(-1).to(g.dtype))
+        return g.to(ctx.dtype), None, None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, labels: Tensor, group, *, vocab_start: int,
+                                 vocab_size: Optional[int] = None, label_smoothing: float = 0.0,
+                                 ignore_index: int = -100) -> Tensor:
+    """Per-token loss (shape of labels) from this rank's logits (..., V/tp), columns
+    [vocab_start, vocab_start + V/tp). Columns with global id >= vocab_size are padding and are
+    excluded, which equals F.cross_entropy on the real columns (or on −inf-padded logits when
+    label_smoothing is 0). Labels equal to ignore_index get loss 0 and no gradient, as in
+    F.cross_entropy. Computed in fp32.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree "
+                         "on the leading dims")
+    padded = logits.shape[-1] * group_size(group)
+    vocab_size = padded if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= padded:
+        raise ValueError(f"vocab_size={vocab_size} must be in (0, {padded}] (= {logits.shape[-1]} local "
+                         f"columns x tp {group_size(group)})")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing={label_smoothing} must be in [0, 1]")
+    return _VocabParallelCE.apply(logits, labels, group, vocab_start, vocab_size,
+                                  float(label_smoothing), ignore_index)
