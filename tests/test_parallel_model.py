@@ -78,3 +78,52 @@ def test_layout_matches_single_process(single, tmp_path, family, layout, world):
     assert val == pytest.approx(ref_val, rel=1e-5)
     assert all(r == pytest.approx(ref_val[-1], rel=1e-5) for r in results)  # every rank returns it
     assert ref_train[-1] < ref_train[0]  # the steps really trained
+
+
+def _comm_volume(rank, world, sequence_parallel):
+    import torch
+    from megalm.distributed.comm import count_comm
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.parallel.grads import clip_grads, finalize_grads
+    cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
+    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    init_weights(model, cfg.model, 0)
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
+    with count_comm() as fwd:
+        loss = model(x[:, :-1], x[:, 1:])
+    with count_comm() as bwd:
+        loss.backward()
+        finalize_grads(model, mesh)
+        clip_grads(list(model.parameters()), 1.0, mesh["tp"].get_group())
+    return fwd.calls, fwd.bytes, bwd.calls, bwd.bytes
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
+    """No collective moves more than Megatron's math needs (counted per rank, fp32 bytes)."""
+    tp = 2
+    cfg = load(*BASE, *GPT2)
+    B, T, h, L = 2, cfg.model.seq_length, cfg.model.hidden_size, cfg.model.num_layers
+    act, tok = B * T * h * 4, B * T * 4  # one activation tensor; one fp32 value per token
+    ce = [tok, 2 * tok]  # cross-entropy: max, then (sum-exp, target logit) in one call
+    (fc, fb, bc, bb), = run_ranks(tp, _comm_volume, sequence_parallel)[:1]
+    if not sequence_parallel:
+        # forward: embedding g + (attn proj, fc2) per layer; backward: f of (qkv, fc1) per layer + head's f
+        assert fc == {"all_reduce": 1 + 2 * L + 2} and fb == {"all_reduce": act * (1 + 2 * L) + sum(ce)}
+        assert bc == {"all_reduce": 2 * L + 1 + 1}            # + the gradient norm's scalar
+        assert bb == {"all_reduce": act * (2 * L + 1) + 4}
+    else:
+        shard = act // tp
+        # forward: embedding all-reduce (positions are added after it), then per layer 2 all-gathers
+        # before column-parallel and 2 reduce-scatters after row-parallel, the head's all-gather.
+        assert fc == {"all_reduce": 1 + 2, "all_gather": 2 * L + 1, "reduce_scatter": 2 * L}
+        assert fb == {"all_reduce": act + sum(ce), "all_gather": shard * (2 * L + 1), "reduce_scatter": act * 2 * L}
+        # backward mirrors it; the embedding's scatter gathers back; sequence-parallel weights
+        # (2 LayerNorms with bias and 2 row-parallel biases per layer, the final norm) are summed.
+        sp_params = (L * (2 * 2 * h + 2 * h) + 2 * h) * 4
+        assert bc == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 2}
+        assert bb == {"all_gather": shard * (2 * L + 1), "reduce_scatter": act * (2 * L + 1),
+                      "all_reduce": sp_params + 4}

@@ -365,9 +365,14 @@ def validate(cfg: Config, world_size: int) -> None:
 
     dims = parallel_dims(p, world_size)  # raises on a layout that does not fit the world
     for key, degree in (("model.num_attention_heads", m.num_attention_heads),
-                        ("model.num_query_groups", m.kv_heads), ("model.ffn_size", m.ffn_size)):
+                        ("model.num_query_groups", m.kv_heads),  # hidden = heads x head_dim follows
+                        ("model.ffn_size", m.ffn_size), ("model.padded_vocab_size", m.padded_vocab_size)):
         if degree % p.tp:
             raise ValueError(f"{key}={degree} is not divisible by parallel.tp={p.tp}")
+    c = cfg.cluster
+    if (c.backend == "nccl" or c.launcher != "local") and p.tp > c.devices_per_node:
+        raise ValueError(f"parallel.tp={p.tp} is larger than cluster.devices_per_node={c.devices_per_node} "
+                         f"(cluster={c.name}): a tensor-parallel group must stay inside one node")
     if p.sequence_parallel and p.tp == 1:
         raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
     per_step = t.micro_batch_size * dims.dp

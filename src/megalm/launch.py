@@ -76,7 +76,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_local(cfg: Config, run_dir: Path, world_size: int):
+def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
     """Start `world_size` ranks on this machine through PyTorch's elastic launcher; rank 0's result.
 
     The ranks get the already-composed, frozen Config (Hydra runs once, here), so they agree on
@@ -88,7 +88,7 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int):
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megalm-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.cluster.max_restarts,
         monitor_interval=0.2, start_method="spawn")
-    results = elastic_launch(launch_cfg, rank_main)(cfg, str(run_dir))
+    results = elastic_launch(launch_cfg, entrypoint or rank_main)(cfg, str(run_dir))
     return results[0]
 
 

@@ -1,14 +1,36 @@
-"""Data pipeline: corpus -> tokenizer -> Megatron .bin/.idx -> packed samples -> micro-batches."""
+"""Data pipeline: corpus -> tokenizer -> Megatron .bin/.idx -> GPT sample indices -> blend -> micro-batches.
 
-from megalm.data.corpora import StdlibCorpus, stdlib_corpus
-from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset
-from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-from megalm.data.loader import DataBundle, MicroBatchLoader, build_data, split_documents
-from megalm.data.tokenizer import NullTokenizer, SentencePieceTokenizer, Tokenizer, load_tokenizer
+Names are imported lazily, so that `python -m megalm.data.preprocess` and its worker processes
+do not pay for importing torch.
+"""
 
-__all__ = [
-    "DataBundle", "MicroBatchLoader", "build_data", "load_tokenizer", "split_documents",
-    "Tokenizer", "SentencePieceTokenizer", "NullTokenizer",
-    "IndexedDataset", "IndexedDatasetWriter", "best_dtype",
-    "GPTDataset", "MockGPTDataset", "StdlibCorpus", "stdlib_corpus",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "megalm.data.corpora": ("StdlibCorpus", "stdlib_corpus"),
+    "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask"),
+    "megalm.data.blended": ("BlendedDataset", "blending_indices", "parse_blend"),
+    "megalm.data.indexed": ("IndexedDataset", "IndexedDatasetWriter", "best_dtype", "merge_datasets"),
+    "megalm.data.loader": ("DataBundle", "DataExhaustedError", "MicroBatchLoader", "build_data",
+                           "num_samples_for", "split_documents"),
+    "megalm.data.tokenizer": ("HuggingFaceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "Tokenizer",
+                              "load_tokenizer", "build_tokenizer", "padded_vocab_size"),
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'megalm.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

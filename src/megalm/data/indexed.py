@@ -3,17 +3,23 @@
 `.idx` (little-endian): magic b"MMIDIDX\\x00\\x00", u64 version (1), u8 dtype code, u64 sequence
 count N, u64 document-index count D+1, int32[N] sequence lengths, int64[N] byte offsets of the
 sequences in `.bin`, int64[D+1] document indices (document d is sequences [doc_idx[d],
-doc_idx[d+1])). `.bin`: the tokens of all sequences back to back, no header.
+doc_idx[d+1])), and optionally int8[N] sequence modes (Megatron's multimodal variant).
+`.bin`: the tokens of all sequences back to back, no header.
+
+Writers put both files under temporary names and rename them into place at the end (.bin
+first, after removing any old .idx; then .idx), so an interrupted write never leaves an .idx
+whose .bin is incomplete: a reader finds either the old complete pair, or no .idx at all.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import struct
 import tempfile
 from array import array
 from pathlib import Path
-from typing import Iterable, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -25,6 +31,7 @@ DTYPE_CODES = {
     5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16,
 }
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+_SCAN_CHUNK = 1 << 24  # tokens per step of a full scan of .bin (32 MB of uint16)
 
 PathLike = Union[str, os.PathLike]
 
@@ -34,9 +41,58 @@ def best_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size < 65500 else np.dtype(np.int32)
 
 
-def _paths(prefix: PathLike) -> tuple[Path, Path]:
+def dataset_paths(prefix: PathLike) -> Tuple[Path, Path]:
+    """(`<prefix>.bin`, `<prefix>.idx`)."""
     prefix = str(prefix)
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+_paths = dataset_paths
+
+
+def _temp_file(final: Path) -> Tuple[int, str]:
+    # Hidden and randomly named next to the final file: never taken for a dataset.
+    return tempfile.mkstemp(dir=final.parent, prefix=f".{final.name}.")
+
+
+def _write_index(final_idx: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: np.ndarray,
+                 modes: Optional[np.ndarray] = None) -> str:
+    """Write an .idx under a temporary name next to `final_idx`; return that name."""
+    sizes = np.asarray(sizes, dtype=np.int64)
+    n = sizes.size
+    pointers = np.zeros(n, dtype="<i8")
+    np.cumsum(sizes[:-1] * dtype.itemsize, out=pointers[1:])
+    fd, tmp = _temp_file(final_idx)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[dtype.newbyteorder("=")], n, doc_idx.size))
+            f.write(sizes.astype("<i4").tobytes())
+            f.write(pointers.tobytes())
+            f.write(np.asarray(doc_idx, dtype="<i8").tobytes())
+            if modes is not None:
+                f.write(np.asarray(modes, dtype=np.int8).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return tmp
+
+
+def _install(bin_tmp: str, idx_tmp: str, bin_path: Path, idx_path: Path) -> None:
+    # Drop a previous .idx first: if we stop between the two renames, the new .bin
+    # must not be paired with the old index.
+    idx_path.unlink(missing_ok=True)
+    os.replace(bin_tmp, bin_path)
+    os.replace(idx_tmp, idx_path)
+
+
+def _check_dtype(dtype) -> np.dtype:
+    dtype = np.dtype(dtype)
+    if dtype.newbyteorder("=") not in _CODE_OF:
+        raise ValueError(f"dtype {dtype} is not one the format supports: "
+                         f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
+    return dtype.newbyteorder("<")
 
 
 class IndexedDatasetWriter:
@@ -48,33 +104,55 @@ class IndexedDatasetWriter:
     """
 
     def __init__(self, prefix: PathLike, dtype=np.uint16):
-        self._dtype = np.dtype(dtype)
-        if self._dtype not in _CODE_OF:
-            raise ValueError(f"dtype {self._dtype} is not one the format supports: "
-                             f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
-        self._dtype = self._dtype.newbyteorder("<")
-        self.bin_path, self.idx_path = _paths(prefix)
+        self._dtype = _check_dtype(dtype)
+        self.bin_path, self.idx_path = dataset_paths(prefix)
         self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-        fd, self._bin_tmp = tempfile.mkstemp(dir=self.bin_path.parent, prefix=f".{self.bin_path.name}.")
+        fd, self._bin_tmp = _temp_file(self.bin_path)
         self._bin = os.fdopen(fd, "wb")
         self._sizes = array("q")
         self._done = False
+        info = np.iinfo(self._dtype) if self._dtype.kind in "iu" else np.finfo(self._dtype)
+        self._lo, self._hi = info.min, info.max
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._dtype
+
+    @property
+    def num_documents(self) -> int:
+        return len(self._sizes)
+
+    def _check_range(self, arr: np.ndarray) -> None:
+        if arr.size:
+            lo, hi = arr.min(), arr.max()
+            if lo < self._lo or hi > self._hi:
+                raise ValueError(f"ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} "
+                                 f"([{self._lo}, {self._hi}])")
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document, stored as one sequence."""
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
         if arr.ndim != 1:
             raise ValueError(f"a document must be a 1-D sequence of ids, got shape {arr.shape}")
-        if arr.size:
-            info = np.iinfo(self._dtype) if self._dtype.kind in "iu" else np.finfo(self._dtype)
-            lo, hi = arr.min(), arr.max()
-            if lo < info.min or hi > info.max:
-                raise ValueError(f"ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} "
-                                 f"([{info.min}, {info.max}])")
+        self._check_range(arr)
         if arr.size > np.iinfo(np.int32).max:
             raise ValueError(f"a document of {arr.size} tokens exceeds the format's int32 length")
         self._bin.write(arr.astype(self._dtype, copy=False).tobytes())
         self._sizes.append(arr.size)
+
+    def add_documents(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
+        """Append several documents at once: `tokens` is their ids back to back, `lengths` their sizes."""
+        tokens = np.asarray(tokens)
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
+                (lengths.size and lengths.min() < 0):
+            raise ValueError(f"{lengths.size} document lengths summing to {int(lengths.sum())} do not "
+                             f"describe {tokens.size} tokens")
+        if lengths.size and lengths.max() > np.iinfo(np.int32).max:
+            raise ValueError(f"a document of {lengths.max()} tokens exceeds the format's int32 length")
+        self._check_range(tokens)
+        self._bin.write(tokens.astype(self._dtype, copy=False).tobytes())
+        self._sizes.extend(lengths.tolist())
 
     def finalize(self) -> None:
         if self._done:
@@ -83,22 +161,14 @@ class IndexedDatasetWriter:
         os.fsync(self._bin.fileno())
         self._bin.close()
         sizes = np.frombuffer(self._sizes, dtype=np.int64) if self._sizes else np.zeros(0, np.int64)
-        n = sizes.size
-        pointers = np.zeros(n, dtype="<i8")
-        np.cumsum(sizes[:-1] * self._dtype.itemsize, out=pointers[1:])
-        fd, idx_tmp = tempfile.mkstemp(dir=self.idx_path.parent, prefix=f".{self.idx_path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF[self._dtype.newbyteorder("=")], n, n + 1))
-            f.write(sizes.astype("<i4").tobytes())
-            f.write(pointers.tobytes())
-            f.write(np.arange(n + 1, dtype="<i8").tobytes())  # one sequence per document
-            f.flush()
-            os.fsync(f.fileno())
-        # Drop a previous .idx first: if we stop between the two renames, the new .bin
-        # must not be paired with the old index.
-        self.idx_path.unlink(missing_ok=True)
-        os.replace(self._bin_tmp, self.bin_path)
-        os.replace(idx_tmp, self.idx_path)
+        try:
+            idx_tmp = _write_index(self.idx_path, self._dtype, sizes,
+                                   np.arange(sizes.size + 1))  # one sequence per document
+        except BaseException:
+            Path(self._bin_tmp).unlink(missing_ok=True)
+            self._done = True
+            raise
+        _install(self._bin_tmp, idx_tmp, self.bin_path, self.idx_path)
         self._done = True
 
     def abort(self) -> None:
@@ -123,7 +193,7 @@ class IndexedDataset:
 
     def __init__(self, prefix: PathLike):
         self.prefix = str(prefix)
-        bin_path, idx_path = _paths(prefix)
+        self.bin_path, self.idx_path = bin_path, idx_path = dataset_paths(prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
                 raise FileNotFoundError(f"{path} does not exist (indexed dataset prefix {self.prefix!r} "
@@ -142,12 +212,14 @@ class IndexedDataset:
             raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
         self.dtype = np.dtype(DTYPE_CODES[code]).newbyteorder("<")
         expected = _HEADER.size + 12 * n + 8 * n_doc_idx
-        if idx_bytes != expected:
+        if idx_bytes not in (expected, expected + n):  # + int8[N] sequence modes
             raise ValueError(f"{idx_path}: {idx_bytes} bytes, but a header of {n} sequences and "
                              f"{n_doc_idx} document indices needs {expected}")
         self.sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=_HEADER.size)
         self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=_HEADER.size + 4 * n)
         self.doc_idx = np.frombuffer(buf, dtype="<i8", count=n_doc_idx, offset=_HEADER.size + 12 * n)
+        self.modes = (np.frombuffer(buf, dtype=np.int8, count=n, offset=expected)
+                      if idx_bytes == expected + n and n else None)
 
         # Token offset of every sequence; tokens of sequence i are tokens[offsets[i]:offsets[i+1]].
         self.offsets = np.zeros(n + 1, dtype=np.int64)
@@ -157,6 +229,8 @@ class IndexedDataset:
         if bin_bytes != need:
             raise ValueError(f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes "
                              f"{int(self.offsets[-1])} tokens of {self.dtype} = {need} bytes")
+        if self.sizes.size and self.sizes.min() < 0:
+            raise ValueError(f"{idx_path}: negative sequence length {int(self.sizes.min())}")
         if not np.array_equal(self.pointers, self.offsets[:-1] * self.dtype.itemsize):
             raise ValueError(f"{idx_path}: sequence pointers are not the running sum of the lengths")
         d = self.doc_idx
@@ -167,6 +241,7 @@ class IndexedDataset:
         # np.memmap cannot map an empty file.
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_bytes
                        else np.zeros(0, dtype=self.dtype))
+        self._token_range: Optional[Tuple[int, int]] = None
 
     def __len__(self) -> int:
         return self.sizes.size
@@ -174,6 +249,18 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return self.doc_idx.size - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.offsets[-1])
+
+    def document_offsets(self) -> np.ndarray:
+        """int64[D+1]: the tokens of document d are tokens[o[d]:o[d+1]] (its sequences are contiguous)."""
+        return self.offsets[self.doc_idx]
+
+    def document_lengths(self) -> np.ndarray:
+        """int64[D]: tokens per document."""
+        return np.diff(self.document_offsets())
 
     def __getitem__(self, i: int) -> np.ndarray:
         n = len(self)
@@ -188,6 +275,101 @@ class IndexedDataset:
             raise IndexError(f"document {d} out of range for {self.num_documents} documents in {self.prefix}")
         return self.tokens[self.offsets[self.doc_idx[d]]:self.offsets[self.doc_idx[d + 1]]]
 
+    def fingerprint(self) -> str:
+        """Names these exact files for cache keys: resolved path, sizes and modification times."""
+        parts = []
+        for path in (self.idx_path, self.bin_path):
+            st = path.stat()
+            parts.append(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+        return "|".join(parts)
+
+    def token_range(self) -> Tuple[int, int]:
+        """(smallest, largest) token id in .bin, by a chunked scan of the memory map; (0, -1) if empty."""
+        if self._token_range is None:
+            lo, hi = 0, -1
+            for start in range(0, self.num_tokens, _SCAN_CHUNK):
+                chunk = self.tokens[start:start + _SCAN_CHUNK]
+                c_lo, c_hi = int(chunk.min()), int(chunk.max())
+                lo, hi = (c_lo, c_hi) if hi < lo else (min(lo, c_lo), max(hi, c_hi))
+            self._token_range = (lo, hi)
+        return self._token_range
+
+    def check_vocab(self, vocab_size: int, token_range: Optional[Tuple[int, int]] = None) -> None:
+        """Raise ValueError naming the file, the id and where it is if a token is outside [0, vocab_size).
+
+        `token_range` is a known (min, max) of the file (a cached scan); None scans it now.
+        """
+        lo, hi = token_range if token_range is not None else self.token_range()
+        if hi < lo or (lo >= 0 and hi < vocab_size):
+            return
+        bad = hi if hi >= vocab_size else lo
+        pos = None  # find the first offender, chunk by chunk (only on the error path)
+        for start in range(0, self.num_tokens, _SCAN_CHUNK):
+            chunk = self.tokens[start:start + _SCAN_CHUNK]
+            hits = np.flatnonzero((chunk >= vocab_size) | (chunk < 0))
+            if hits.size:
+                pos, bad = start + int(hits[0]), int(chunk[hits[0]])
+                break
+        where = ""
+        if pos is not None:
+            seq = int(np.searchsorted(self.offsets, pos, side="right")) - 1
+            doc = int(np.searchsorted(self.doc_idx, seq, side="right")) - 1
+            where = f" at token {pos} (document {doc}, {pos - int(self.offsets[self.doc_idx[doc]])} tokens in)"
+        raise ValueError(f"{self.bin_path}: token id {bad}{where} is outside the tokenizer's vocabulary of "
+                         f"{vocab_size} ids (the file holds ids {lo}..{hi}); was it tokenized with another "
+                         "tokenizer?")
+
     def __reduce__(self):
         # Reopen by path in worker processes instead of pickling the mapped arrays.
         return (IndexedDataset, (self.prefix,))
+
+
+def merge_datasets(prefixes: Sequence[PathLike], output_prefix: PathLike) -> IndexedDataset:
+    """Concatenate several datasets into `output_prefix`: .bin files back to back, .idx rebuilt.
+
+    The result equals preprocessing the inputs' documents in order into one dataset. All inputs
+    must share one dtype; the output appears atomically, like the writer's.
+    """
+    if not prefixes:
+        raise ValueError("merge needs at least one input prefix")
+    sets: List[IndexedDataset] = [IndexedDataset(p) for p in prefixes]
+    dtypes = {str(s.dtype) for s in sets}
+    if len(dtypes) > 1:
+        listing = ", ".join(f"{s.prefix} ({s.dtype})" for s in sets)
+        raise ValueError(f"cannot merge datasets of different token dtypes: {listing}")
+    with_modes = [s.modes is not None or len(s) == 0 for s in sets]
+    if any(s.modes is not None for s in sets) and not all(with_modes):
+        raise ValueError("cannot merge datasets with sequence modes and datasets without: "
+                         + ", ".join(f"{s.prefix} ({'modes' if s.modes is not None else 'no modes'})"
+                                     for s in sets))
+    bin_path, idx_path = dataset_paths(output_prefix)
+    for s in sets:
+        if s.bin_path.resolve() == bin_path.resolve():
+            raise ValueError(f"merge output {output_prefix} is also an input")
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    dtype = sets[0].dtype
+    sizes = np.concatenate([s.sizes.astype(np.int64) for s in sets])
+    doc_parts, base = [], 0
+    for s in sets:
+        doc_parts.append(s.doc_idx[:-1] + base)
+        base += len(s)
+    doc_idx = np.concatenate(doc_parts + [np.array([base], dtype=np.int64)])
+    modes = (np.concatenate([s.modes for s in sets if s.modes is not None])
+             if any(s.modes is not None for s in sets) else None)
+    fd, bin_tmp = _temp_file(bin_path)
+    idx_tmp = None
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for s in sets:
+                with open(s.bin_path, "rb") as src:
+                    shutil.copyfileobj(src, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+        idx_tmp = _write_index(idx_path, dtype, sizes, doc_idx, modes)
+        _install(bin_tmp, idx_tmp, bin_path, idx_path)
+    except BaseException:
+        Path(bin_tmp).unlink(missing_ok=True)
+        if idx_tmp:
+            Path(idx_tmp).unlink(missing_ok=True)
+        raise
+    return IndexedDataset(output_prefix)

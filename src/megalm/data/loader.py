@@ -1,29 +1,42 @@
-"""From a DataConfig to datasets, and from datasets to this rank's micro-batches."""
+"""From a DataConfig to datasets, and from datasets to this rank's micro-batches.
+
+build_data: source (mock | the stdlib corpus tokenized into .bin/.idx | your .bin/.idx files) ->
+split by document weights ("949,50,1") -> Megatron GPT sample indices per split and dataset ->
+Megatron's greedy blend when several datasets are weighted -> DataBundle. Each split is built for
+the number of samples training will draw (`num_samples`, see `num_samples_for`), as Megatron does.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from megalm.config import DataConfig, split_weights
+from megalm.data.blended import BlendedDataset, parse_blend, per_dataset_samples
+from megalm.data.cache import cache_key
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
-from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset
+from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 
 log = logging.getLogger("megalm.data")
 
-Dataset = Union[GPTDataset, MockGPTDataset]
+Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
 _CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
 _ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
+
+
+class DataExhaustedError(IndexError):
+    """The loader was asked for samples beyond those the dataset was built for."""
 
 
 @dataclass
@@ -32,51 +45,159 @@ class DataBundle:
     train: Dataset
     valid: Dataset
     test: Optional[Dataset] = None
-    """None when the split gives the test part no weight."""
+    """None when the split gives the test part no documents."""
+    eod_mask_loss: bool = False
+    """data.eod_mask_loss: loss_mask() zeroes positions whose input is end-of-document."""
+
+    def loss_mask(self, micro_batch: torch.Tensor) -> Optional[torch.Tensor]:
+        """(mbs, seq_length) float mask for a (mbs, seq_length + 1) micro-batch; None = no masking."""
+        if not self.eod_mask_loss:
+            return None
+        return eod_loss_mask(micro_batch, self.tokenizer.eod)
+
+
+def num_samples_for(max_steps: int, global_batch_size: int, eval_interval: int, eval_steps: int
+                    ) -> Dict[str, int]:
+    """Megatron's sample counts: train = steps x batch; valid = evaluations x eval_steps x batch
+    (evaluations = max_steps // eval_interval + 1, or 2 with eval_interval 0: start and end);
+    test = eval_steps x batch."""
+    evaluations = max_steps // eval_interval + 1 if eval_interval > 0 else 2
+    return {"train": max_steps * global_batch_size,
+            "valid": evaluations * eval_steps * global_batch_size,
+            "test": eval_steps * global_batch_size}
 
 
 def split_documents(num_documents: int, split: str) -> List[range]:
-    """Contiguous (train, valid, test) document ranges in proportion to the split weights."""
-    weights = np.asarray(split_weights(split) + [0.0] * 2)[:3]
-    cuts = np.rint(np.cumsum(weights) / weights.sum() * num_documents).astype(int)
-    bounds = [0] + [int(c) for c in cuts[:-1]] + [num_documents]
-    return [range(bounds[k], bounds[k + 1]) for k in range(3)]
+    """Contiguous (train, valid, test) document ranges in proportion to the split weights.
+
+    Megatron's rule: each part is round(weight / total * num_documents) documents after the one
+    before, and the boundaries then shift so the last one ends exactly at num_documents.
+    """
+    weights = (split_weights(split) + [0.0] * 2)[:3]
+    total = sum(weights)
+    bounds = [0]
+    for w in weights:
+        bounds.append(bounds[-1] + int(round(w / total * float(num_documents))))
+    excess = bounds[-1] - num_documents
+    bounds[1:] = [b - excess for b in bounds[1:]]
+    return [range(max(0, bounds[k]), max(0, bounds[k + 1])) for k in range(3)]
 
 
-def build_data(cfg: DataConfig, *, seq_length: int, seed: int) -> DataBundle:
-    """The tokenizer and the train/valid(/test) datasets that `cfg` describes."""
+def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
+    """(weight, prefix) pairs of a source=indexed config, from data.blend or data.paths."""
+    blend, paths = list(cfg.blend or []), list(cfg.paths or [])
+    if blend and paths:
+        raise ValueError(f"set data.paths (one prefix) or data.blend (weighted prefixes), not both "
+                         f"(got paths={paths}, blend={blend})")
+    if blend:
+        return parse_blend(blend, "data.blend")
+    if len(paths) == 1:
+        return [(1.0, str(paths[0]))]
+    if len(paths) > 1:
+        try:
+            return parse_blend(paths, "data.paths")  # Megatron's --data-path "w1 p1 w2 p2"
+        except ValueError as e:
+            raise ValueError(f"data.paths takes one prefix, or Megatron's flat [weight, prefix, ...]; for "
+                             f"blending several datasets use data.blend=[[w, prefix], ...] ({e})") from None
+    raise ValueError("data.source=indexed needs data.paths=[prefix] or data.blend=[[weight, prefix], ...]")
+
+
+def _requested(num_samples: Optional[Mapping[str, Optional[int]]]) -> Dict[str, Optional[int]]:
+    num_samples = dict(num_samples or {})
+    unknown = set(num_samples) - set(_SPLITS)
+    if unknown:
+        raise ValueError(f"num_samples has unknown split(s) {sorted(unknown)}; use {', '.join(_SPLITS)}")
+    for name, n in num_samples.items():
+        if n is not None and (not isinstance(n, (int, np.integer)) or n < 0):
+            raise ValueError(f"num_samples[{name!r}]={n!r} must be a non-negative integer or None")
+    return {name: (None if num_samples.get(name) is None else int(num_samples[name])) for name in _SPLITS}
+
+
+def _token_range(indexed: IndexedDataset, cache_dir: Path) -> Tuple[int, int]:
+    """The (min, max) token id of a .bin, scanned once and cached by the files' identity."""
+    root = cache_dir / "token_ranges"
+    path = root / f"{stable_hash('token-range-v1', indexed.fingerprint(), length=24)}.json"
+    try:
+        lo, hi = json.loads(path.read_text())["range"]
+        return int(lo), int(hi)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    start = time.perf_counter()
+    lo, hi = indexed.token_range()
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{time.time_ns()}")
+    tmp.write_text(json.dumps({"range": [lo, hi], "files": indexed.fingerprint()}))
+    tmp.replace(path)
+    log.info("vocab check: %s holds ids %d..%d (%d tokens scanned in %.1f s)", indexed.bin_path, lo, hi,
+             indexed.num_tokens, time.perf_counter() - start)
+    return lo, hi
+
+
+def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
+               num_samples: Optional[Mapping[str, Optional[int]]] = None) -> DataBundle:
+    """The tokenizer and the train/valid(/test) datasets that `cfg` describes.
+
+    num_samples: samples each split must provide ({"train": ..., "valid": ..., "test": ...}, see
+    num_samples_for); a split left out (or None) gets one epoch of its documents.
+    """
+    requested = _requested(num_samples)
     cache_dir = Path(cfg.cache_dir).expanduser()
     if cfg.source == "mock":
         # No text here: only the id range of the configured tokenizer matters.
         tokenizer: Tokenizer = NullTokenizer(cfg.tokenizer.vocab_size)
-        sets = [MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name) for name in _SPLITS]
-        return DataBundle(tokenizer, sets[0], sets[1], sets[2])
+        sets = [MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name,
+                               None if not requested[name] else requested[name]) for name in _SPLITS]
+        return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
     if cfg.source == "stdlib":
-        if cfg.tokenizer.type != "sentencepiece":
-            raise ValueError(f"data.source=stdlib is text and needs tokenizer.type=sentencepiece "
+        if cfg.tokenizer.type not in ("sentencepiece", "huggingface"):
+            raise ValueError(f"data.source=stdlib is text and needs tokenizer.type=sentencepiece or huggingface "
                              f"(got {cfg.tokenizer.type!r})")
         corpus = stdlib_corpus(cfg.max_corpus_mb)
         log.info("corpus: %d stdlib files, %.1f MB", len(corpus), corpus.num_bytes / 1e6)
         tokenizer = build_tokenizer(cfg.tokenizer, corpus, cache_dir)
-        indexed = tokenize_corpus(corpus, tokenizer, cache_dir)
+        sources = [(1.0, tokenize_corpus(corpus, tokenizer, cache_dir))]
     elif cfg.source == "indexed":
-        paths = list(cfg.paths)
-        if len(paths) != 1:
-            raise ValueError(f"data.source=indexed takes one prefix in data.paths for now (got "
-                             f"{len(paths)}); blending several datasets comes later")
+        pairs = blend_spec(cfg)
         tokenizer = build_tokenizer(cfg.tokenizer)
-        indexed = IndexedDataset(Path(paths[0]).expanduser())
+        for w, prefix in pairs:
+            if w == 0:
+                log.info("blend: %s has weight 0 and is not used", prefix)
+        sources = [(w, IndexedDataset(Path(prefix).expanduser())) for w, prefix in pairs if w > 0]
+        if cfg.check_vocab:
+            for _, indexed in sources:
+                indexed.check_vocab(tokenizer.vocab_size, _token_range(indexed, cache_dir))
     else:
         raise ValueError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
 
-    ranges = split_documents(indexed.num_documents, cfg.split)
-    sets: List[Optional[GPTDataset]] = []
-    for name, docs in zip(_SPLITS, ranges):
-        empty_test = name == "test" and len(docs) == 0
-        sets.append(None if empty_test else GPTDataset(indexed, docs, seq_length, seed, name))
-    log.info("splits: %s", ", ".join(f"{n} {len(r)} docs / {len(s) if s else 0} samples"
-                                     for n, r, s in zip(_SPLITS, ranges, sets)))
-    return DataBundle(tokenizer, sets[0], sets[1], sets[2])
+    sets: List[Optional[Dataset]] = []
+    for k, name in enumerate(_SPLITS):
+        sets.append(_build_split(cfg, name, k, sources, seq_length, seed, requested[name], cache_dir))
+    log.info("splits: %s", ", ".join(f"{n} {len(s) if s is not None else 0} samples"
+                                     for n, s in zip(_SPLITS, sets)))
+    return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
+
+
+def _build_split(cfg: DataConfig, name: str, k: int, sources: Sequence[Tuple[float, IndexedDataset]],
+                 seq_length: int, seed: int, num_samples: Optional[int], cache_dir: Path) -> Optional[Dataset]:
+    ranges = [split_documents(indexed.num_documents, cfg.split)[k] for _, indexed in sources]
+    if name == "test" and all(len(r) == 0 for r in ranges):
+        return None
+    if len(sources) == 1:
+        return GPTDataset(sources[0][1], ranges[0], seq_length, seed, name, num_samples, cache_dir)
+    weights = [w for w, _ in sources]
+    if num_samples is None:  # one epoch of each, and as long a blend as they can all feed
+        parts = [GPTDataset(ix, r, seq_length, seed, name, None, cache_dir) for (_, ix), r in zip(sources, ranges)]
+        total = sum(weights)
+        size = min(int(math.floor((len(p) - 1) / (w / total))) for p, w in zip(parts, weights))
+        size = max(size, 1)
+    else:
+        size = num_samples
+        parts = [GPTDataset(ix, r, seq_length, seed, name, n, cache_dir)
+                 for (_, ix), r, n in zip(sources, ranges, per_dataset_samples(weights, size))]
+    description = [[p.indexed.fingerprint(), [p.documents.start, p.documents.stop], p.num_samples, len(p)]
+                   for p in parts]
+    return BlendedDataset(parts, weights, size, name, cache_dir,
+                          description=[seq_length, seed] + description)
 
 
 def tokenize_corpus(corpus: StdlibCorpus, tokenizer: Tokenizer, cache_dir: Path) -> IndexedDataset:
@@ -155,8 +276,20 @@ class MicroBatchLoader:
         return [list(range(base + j * mbs * self.dp_size, base + j * mbs * self.dp_size + mbs))
                 for j in range(self.num_micro_batches)]
 
+    def _check_available(self) -> None:
+        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
+        last = self.consumed_samples + self.global_batch_size - 1
+        if n is not None and last >= n:
+            name = getattr(self.dataset, "name", "the")
+            raise DataExhaustedError(
+                f"{name} dataset was built for {n} samples, but the global batch at consumed_samples="
+                f"{self.consumed_samples} needs samples {self.consumed_samples}..{last}; build the data for "
+                f"as many samples as training draws: build_data(..., num_samples=num_samples_for(max_steps, "
+                f"global_batch_size, eval_interval, eval_steps))")
+
     def next_batch(self) -> List[torch.Tensor]:
         """This rank's micro-batches of the next global batch, each (mbs, seq_length + 1)."""
+        self._check_available()
         batches = [torch.from_numpy(np.stack([self.dataset[i] for i in idx]).astype(np.int64))
                    for idx in self.indices()]
         self.consumed_samples += self.global_batch_size
@@ -167,5 +300,5 @@ class MicroBatchLoader:
             yield self.next_batch()
 
 
-__all__ = ["DataBundle", "MicroBatchLoader", "build_data", "load_tokenizer", "split_documents",
-           "tokenize_corpus"]
+__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "blend_spec", "build_data", "load_tokenizer",
+           "num_samples_for", "split_documents", "tokenize_corpus"]

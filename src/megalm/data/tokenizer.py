@@ -1,5 +1,13 @@
-"""Tokenizers behind one small interface: sentencepiece (trained on the corpus and cached, or
-loaded from a .model file) and a null tokenizer for data that is already token ids."""
+"""Tokenizers behind one small interface.
+
+- sentencepiece: trained on a corpus (cached, or by scripts/train_tokenizer.py) or loaded from a
+  .model file; trained with options that make it lossless on source code.
+- huggingface: a `tokenizer.json` (GPT-2 byte-level BPE, Llama-style BPE with byte fallback, ...)
+  through the `tokenizers` package (the optional extra `megalm[hf]`).
+- null: for data that is already token ids.
+
+`padded_vocab_size` is Megatron's embedding padding: a multiple of divisible_by x tp.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +15,7 @@ import hashlib
 import io
 import json
 import logging
+import math
 import os
 import random
 import shutil
@@ -14,7 +23,7 @@ import tempfile
 import time
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, Iterator, List, Optional, Sequence, Union
 
 import sentencepiece as spm
 
@@ -41,6 +50,22 @@ _TRAIN_OPTIONS = dict(
 # Lines sampled for training; the whole stdlib has ~730k non-blank lines.
 _MAX_SENTENCES = 1_000_000
 _SPACE = "\u2581"  # sentencepiece's space marker
+# End-of-document candidates of common tokenizer.json files, in order of preference.
+HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+_HF_SIDECAR = "megalm_tokenizer.json"  # what a tokenizer.json cannot say: our eod and options
+TOKENIZER_TYPES = ("sentencepiece", "huggingface", "null")
+
+
+def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, tp: int = 1) -> int:
+    """Megatron's padded vocabulary: vocab_size rounded up to a multiple of divisible_by * tp.
+
+    Each tensor-parallel rank then holds an equal, aligned slice of the embedding and output layer.
+    """
+    if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp < 1:
+        raise ValueError(f"padded_vocab_size needs positive numbers (vocab_size={vocab_size}, "
+                         f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, tp={tp})")
+    multiple = make_vocab_size_divisible_by * tp
+    return multiple * math.ceil(vocab_size / multiple)
 
 
 def _threads(num_threads: Optional[int]) -> int:
@@ -83,7 +108,10 @@ class SentencePieceTokenizer(Tokenizer):
                 raise FileNotFoundError(f"sentencepiece model {path} does not exist")
             model = path.read_bytes()
         self._proto = model
-        self._sp = spm.SentencePieceProcessor(model_proto=model)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_proto=model)
+        except RuntimeError as e:
+            raise ValueError(f"not a sentencepiece model ({len(model)} bytes): {e}") from None
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
@@ -127,7 +155,7 @@ class SentencePieceTokenizer(Tokenizer):
               num_threads: Optional[int] = None) -> "SentencePieceTokenizer":
         """Train on the corpus, or reuse the model cached for this corpus and these settings."""
         if cache_dir is None:
-            return cls(_train_proto(corpus, vocab_size, num_threads))
+            return cls(train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads))
         key = stable_hash("sentencepiece", spm.__version__, corpus.fingerprint(), str(vocab_size),
                           json.dumps(_TRAIN_OPTIONS, sort_keys=True), str(_MAX_SENTENCES))
         root = Path(cache_dir).expanduser() / "tokenizers"
@@ -136,7 +164,7 @@ class SentencePieceTokenizer(Tokenizer):
             if (entry / "tokenizer.model").is_file():
                 log.info("tokenizer: reusing %s", entry / "tokenizer.model")
                 return cls(entry / "tokenizer.model")
-            proto = _train_proto(corpus, vocab_size, num_threads)
+            proto = train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads)
             # Build the entry in a temp dir and rename it into place, so an interrupted
             # run never leaves a half-written model where the cache looks for one.
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}."))
@@ -149,24 +177,113 @@ class SentencePieceTokenizer(Tokenizer):
         return cls(entry / "tokenizer.model")
 
 
-def _train_proto(corpus: StdlibCorpus, vocab_size: int, num_threads: Optional[int]) -> bytes:
+def training_lines(texts: Iterable[str], max_sentences: int = _MAX_SENTENCES, seed: int = 0) -> List[str]:
+    """The non-blank lines of the texts; a uniform sample of max_sentences of them when there are more.
+
+    Streams: memory holds at most max_sentences lines (reservoir sampling), never the corpus.
+    """
+    lines: List[str] = []
+    rng = random.Random(seed)
+    seen = 0
+    for text in texts:
+        for line in text.split("\n"):
+            if not line.strip():
+                continue
+            if len(lines) < max_sentences:
+                lines.append(line)
+            else:
+                j = rng.randrange(seen + 1)
+                if j < max_sentences:
+                    lines[j] = line
+            seen += 1
+    return lines
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: Optional[int] = None,
+                        max_sentences: int = _MAX_SENTENCES, model_type: str = "bpe") -> bytes:
+    """Train a lossless sentencepiece model on the lines of `texts`; return the model bytes."""
     start = time.perf_counter()
-    lines = [line for text in corpus.texts() for line in text.split("\n") if line.strip()]
-    if len(lines) > _MAX_SENTENCES:
-        lines = random.Random(0).sample(lines, _MAX_SENTENCES)
-    log.info("tokenizer: training a %d-piece sentencepiece BPE on %d lines of %d documents",
-             vocab_size, len(lines), len(corpus))
+    lines = training_lines(texts, max_sentences)
+    log.info("tokenizer: training a %d-piece sentencepiece %s on %d lines", vocab_size, model_type, len(lines))
+    if not lines:
+        raise ValueError("sentencepiece has nothing to train on: the corpus has no non-blank lines")
     buf = io.BytesIO()
+    options = dict(_TRAIN_OPTIONS, model_type=model_type)
     try:
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
-                    num_threads=_threads(num_threads), input_sentence_size=0, minloglevel=2,
-                    **_TRAIN_OPTIONS)
+                                       num_threads=_threads(num_threads), input_sentence_size=0, minloglevel=2,
+                                       **options)
     except RuntimeError as e:
         raise ValueError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
-                         f"{len(corpus)} documents ({len(lines)} lines): {e}") from None
+                         f"{len(lines)} lines: {e}") from None
     proto = buf.getvalue()
     log.info("tokenizer: trained in %.1f s", time.perf_counter() - start)
     return proto
+
+
+def _import_tokenizers():
+    try:
+        import tokenizers
+    except ImportError:
+        raise ImportError("tokenizer.type=huggingface needs the `tokenizers` package: "
+                          "pip install 'megalm[hf]' (or pip install tokenizers)") from None
+    return tokenizers
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A Hugging Face `tokenizer.json` (GPT-2 byte-level BPE, Llama, ...) via the `tokenizers` package.
+
+    Documents are encoded without special tokens unless `add_special_tokens` (then the file's
+    post-processor runs, e.g. Llama's <s> in front); end-of-document is `eod_token`, or the first
+    of HF_EOD_CANDIDATES that the vocabulary has.
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], eod_token: Optional[str] = None,
+                 add_special_tokens: bool = False):
+        tokenizers = _import_tokenizers()
+        path = Path(path).expanduser()
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"Hugging Face tokenizer file {path} does not exist")
+        self._json = path.read_bytes()
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(self._json.decode("utf-8"))
+        except Exception as e:  # the Rust side raises its own exception type
+            raise ValueError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
+        self.path = path
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
+        found = [(c, self._tok.token_to_id(c)) for c in candidates]
+        found = [(c, i) for c, i in found if i is not None]
+        if not found:
+            raise ValueError(f"{path}: no end-of-document token: "
+                             + (f"{eod_token!r} is not in its vocabulary" if eod_token else
+                                f"it has none of {', '.join(HF_EOD_CANDIDATES)}; set tokenizer.eod_token"))
+        self.eod_token, self.eod = found[0]
+        self.add_special_tokens = bool(add_special_tokens)
+        self.identity = "huggingface:" + stable_hash(hashlib.sha256(self._json).hexdigest(), self.eod_token,
+                                                     str(self.add_special_tokens))
+
+    def encode(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=self.add_special_tokens).ids
+
+    def encode_batch(self, texts: Sequence[str], num_threads: Optional[int] = None) -> List[List[int]]:
+        if num_threads == 1:  # a worker process of its own: no thread pool inside it
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=self.add_special_tokens)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def save_to(self, directory: Union[str, os.PathLike]) -> Path:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        _atomic_write(directory / "tokenizer.json", self._json)
+        meta = {"type": "huggingface", "eod_token": self.eod_token,
+                "add_special_tokens": self.add_special_tokens, "vocab_size": self.vocab_size}
+        _atomic_write(directory / _HF_SIDECAR, json.dumps(meta, indent=1).encode())
+        return directory
 
 
 class NullTokenizer(Tokenizer):
@@ -180,7 +297,10 @@ class NullTokenizer(Tokenizer):
         self.identity = f"null:{vocab_size}"
 
     def encode(self, text: str) -> List[int]:
-        return [int(tok) for tok in text.split()]
+        try:
+            return [int(tok) for tok in text.split()]
+        except ValueError:
+            raise ValueError(f"the null tokenizer reads space-separated integer ids, got {text[:60]!r}") from None
 
     def decode(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -194,18 +314,26 @@ class NullTokenizer(Tokenizer):
 
 
 def load_tokenizer(directory: Union[str, os.PathLike]) -> Tokenizer:
-    """Rebuild a tokenizer written by `save_to(directory)`."""
+    """Rebuild a tokenizer written by `save_to(directory)`; a plain HF tokenizer.json folder works too."""
     directory = Path(directory).expanduser()
     meta_path = directory / "tokenizer.json"
     if not meta_path.is_file():
         raise FileNotFoundError(f"{meta_path} does not exist (write it with tokenizer.save_to)")
-    meta = json.loads(meta_path.read_text())
-    kind = meta.get("type")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{meta_path} is not JSON: {e}") from None
+    kind = meta.get("type") if isinstance(meta, dict) else None
     if kind == "sentencepiece":
         return SentencePieceTokenizer(directory / meta.get("model", "tokenizer.model"))
     if kind == "null":
         return NullTokenizer(int(meta["vocab_size"]))
-    raise ValueError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null)")
+    if isinstance(meta, dict) and isinstance(meta.get("model"), dict):  # a Hugging Face tokenizer.json
+        side = directory / _HF_SIDECAR
+        extra = json.loads(side.read_text()) if side.is_file() else {}
+        return HuggingFaceTokenizer(meta_path, extra.get("eod_token"), extra.get("add_special_tokens", False))
+    raise ValueError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null, or a Hugging "
+                     "Face tokenizer.json)")
 
 
 def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
@@ -213,8 +341,13 @@ def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
     """The tokenizer a TokenizerConfig asks for; trains (cached) on `corpus` if no model is given."""
     if cfg.type == "null":
         return NullTokenizer(cfg.vocab_size)
+    if cfg.type == "huggingface":
+        if not cfg.model:
+            raise ValueError("tokenizer.type=huggingface needs tokenizer.model: a tokenizer.json or its folder")
+        return HuggingFaceTokenizer(cfg.model, getattr(cfg, "eod_token", None),
+                                    getattr(cfg, "add_special_tokens", False))
     if cfg.type != "sentencepiece":
-        raise ValueError(f"tokenizer.type={cfg.type!r} is not one of sentencepiece, null")
+        raise ValueError(f"tokenizer.type={cfg.type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if cfg.model:
         return SentencePieceTokenizer(cfg.model)
     if corpus is None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -49,6 +50,7 @@ class CommStats:
     calls: Dict[str, int] = field(default_factory=dict)
     bytes: Dict[str, int] = field(default_factory=dict)
     events: List[Tuple[str, int]] = field(default_factory=list)  # (kind, bytes) in issue order
+    seconds: float = 0.0  # wall time inside the collectives (blocking on CPU/gloo)
     active: bool = True
 
     def record(self, kind: str, nbytes: int) -> None:
@@ -76,14 +78,24 @@ def count_comm() -> Iterator[CommStats]:
         _STATS.reset(token)
 
 
-def _record(kind: str, nbytes: int, fallback: Optional[CommStats] = None) -> None:
+@contextlib.contextmanager
+def _record(kind: str, nbytes: int, fallback: Optional[CommStats] = None):
+    """Count the collective issued inside the block, and the time it takes (on CUDA the time
+    is only the launch, since NCCL is asynchronous: use a profiler there)."""
     # Backward may run on an autograd worker thread (CUDA graphs) that does not see the caller's
     # contextvars; then the block that was open at forward time, if still open, gets the record.
     stats = _STATS.get()
     if stats is None and fallback is not None and fallback.active:
         stats = fallback
-    if stats is not None:
-        stats.record(kind, nbytes)
+    if stats is None:
+        yield
+        return
+    stats.record(kind, nbytes)
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        stats.seconds += time.perf_counter() - t0
 
 
 def _nbytes(x: Tensor) -> int:
@@ -113,8 +125,8 @@ def _all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM, stats=None) -> Tensor:
     # Out of place: the input may be saved by another node or be a gradient autograd hands to
     # several consumers, so it must not change under them.
     out = x.clone(memory_format=torch.contiguous_format)
-    _record("all_reduce", _nbytes(out), stats)
-    dist.all_reduce(out, op=op, group=group)
+    with _record("all_reduce", _nbytes(out), stats):
+        dist.all_reduce(out, op=op, group=group)
     return out
 
 
@@ -123,8 +135,8 @@ def _all_gather(x: Tensor, group, dim: int, stats=None) -> Tensor:
     # all_gather_single concatenates along dim 0; move `dim` there and back.
     xt = x.movedim(dim, 0).contiguous()
     out = torch.empty((world * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", _nbytes(xt), stats)
-    _all_gather_single(out, xt, group=group)
+    with _record("all_gather", _nbytes(xt), stats):
+        _all_gather_single(out, xt, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -143,15 +155,15 @@ def _reduce_scatter_via_all_reduce(xt: Tensor, group) -> Tensor:
 def _reduce_scatter(x: Tensor, group, dim: int, stats=None) -> Tensor:
     world = group_size(group)
     xt = x.movedim(dim, 0).contiguous()
-    _record("reduce_scatter", _nbytes(xt), stats)
     out = torch.empty((xt.shape[0] // world,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
-    try:
-        _reduce_scatter_single(out, xt, group=group)
-    except (RuntimeError, NotImplementedError) as e:
-        # Older gloo builds on CPU have no reduce_scatter; anything else is a real failure.
-        if "support" not in str(e).lower():
-            raise
-        out = _reduce_scatter_via_all_reduce(xt, group)
+    with _record("reduce_scatter", _nbytes(xt), stats):
+        try:
+            _reduce_scatter_single(out, xt, group=group)
+        except (RuntimeError, NotImplementedError) as e:
+            # Older gloo builds on CPU have no reduce_scatter; anything else is a real failure.
+            if "support" not in str(e).lower():
+                raise
+            out = _reduce_scatter_via_all_reduce(xt, group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -162,16 +174,16 @@ def _own_chunk(x: Tensor, group, dim: int) -> Tensor:
 def all_reduce_max(x: Tensor, group) -> Tensor:
     """Element-wise max over the group, in place on x (no autograd); returns x."""
     if group_size(group) > 1:
-        _record("all_reduce", _nbytes(x))
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        with _record("all_reduce", _nbytes(x)):
+            dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
 
 
 def all_reduce_sum(x: Tensor, group) -> Tensor:
     """Element-wise sum over the group, in place on x (no autograd); returns x."""
     if group_size(group) > 1:
-        _record("all_reduce", _nbytes(x))
-        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        with _record("all_reduce", _nbytes(x)):
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
 
 

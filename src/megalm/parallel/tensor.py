@@ -289,13 +289,15 @@ class _VocabParallelCE(torch.autograd.Function):
         owned = (labels >= vocab_start) & (labels < vocab_start + n_local)  # target in this shard
         t_local = (labels - vocab_start).masked_fill(~owned, 0)
         s_t = s.gather(-1, t_local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        # Σ e^s, the target logit (only its owner adds non-zero) and Σ_real s share one all-reduce.
-        sums = torch.stack([e.sum(-1), s_t, s.masked_fill(~real, 0.0).sum(-1)], dim=0)  # (3, ...)
-        sum_e, s_t, sum_s = all_reduce_sum(sums, group).unbind(0)
+        # Σ e^s, the target logit (only its owner adds non-zero) and, for label smoothing only,
+        # Σ_real s share one all-reduce.
+        parts = [e.sum(-1), s_t] + ([s.masked_fill(~real, 0.0).sum(-1)] if eps > 0.0 else [])
+        sums = all_reduce_sum(torch.stack(parts, dim=0), group)  # (2 or 3, ...)
+        sum_e, s_t = sums[0], sums[1]
         log_z = sum_e.log()
         loss = log_z - s_t
         if eps > 0.0:
-            loss = (1.0 - eps) * loss + eps * (log_z - sum_s / vocab_size)
+            loss = (1.0 - eps) * loss + eps * (log_z - sums[2] / vocab_size)
         ignored = labels == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         softmax = e.div_(sum_e.unsqueeze(-1))  # (..., V/tp), reuses e's memory
