@@ -89,7 +89,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
              n_params / 1e6, device, world_size, dims, run_dir)
 
     optimizer = build_optimizer(cfg.optimizer, model)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None)
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
     metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
                            OmegaConf.to_container(OmegaConf.structured(cfg)))

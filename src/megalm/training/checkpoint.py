@@ -6,6 +6,11 @@ checkpoint at another parallel layout. Layout on disk:
     <dir>/step_00000100/        DCP shards + .metadata, and trainer_state.json
     <dir>/latest                name of the newest complete step folder, written last
 
+Tensor-parallel shards are saved as the full tensor of their global name (gathered over the tp
+group at save time, sliced again at load time), so a checkpoint holds the same keys and shapes
+whatever tp it was written at. This costs one all-gather per sharded tensor per save; the
+checkpoint issue replaces it with sharded DTensor writes.
+
 A step folder is written under a temporary name and renamed into place only when complete,
 and `latest` is replaced atomically after that, so a crash mid-save never leaves a folder
 that a resume would take for complete.
@@ -63,9 +68,60 @@ def resolve(path: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
 
 
+def _shards(model: torch.nn.Module) -> Dict[str, Any]:
+    """Global parameter name → TPShard, for this rank's tensor-parallel shards."""
+    return {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
+            if getattr(p, "tp_shard", None) is not None}
+
+
+def _gather_full(local: torch.Tensor, spec, group) -> torch.Tensor:
+    from megalm.parallel.tensor import full_from_shards
+    parts = [torch.empty_like(local) for _ in range(spec.world)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return full_from_shards(parts, spec)
+
+
+def _to_full(model_sd, optim_sd, shards, group) -> None:
+    """Replace shards by full tensors in place (model and optimizer state dicts)."""
+    for name, spec in shards.items():
+        if name in model_sd:
+            model_sd[name] = _gather_full(model_sd[name], spec, group)
+        state = (optim_sd or {}).get("state", {})
+        if name in state:
+            state[name] = dict(state[name])  # the inner dicts are the optimizer's live state
+            for key, value in state[name].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    state[name][key] = _gather_full(value, spec, group)
+
+
+def _full_templates(model_sd, optim_sd, shards) -> Dict[str, Any]:
+    """Full-shaped buffers for DCP to load into; returns {(section, name, key): shard view}."""
+    locals_ = {}
+    for name, spec in shards.items():
+        if name in model_sd:
+            locals_[("model", name, None)] = (model_sd[name], spec)
+            model_sd[name] = torch.empty(spec.full_shape(model_sd[name].shape), dtype=model_sd[name].dtype)
+        state = (optim_sd or {}).get("state", {})
+        if name in state:
+            state[name] = dict(state[name])
+            for key, value in state[name].items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    locals_[("optim", name, key)] = (value, spec)
+                    state[name][key] = torch.empty(spec.full_shape(value.shape), dtype=value.dtype)
+    return locals_
+
+
+def _to_local(model_sd, optim_sd, locals_) -> None:
+    for (section, name, key), (_, spec) in locals_.items():
+        if section == "model":
+            model_sd[name] = spec.local(model_sd[name]).contiguous()
+        else:
+            optim_sd["state"][name][key] = spec.local(optim_sd["state"][name][key]).contiguous()
+
+
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path):
-        self.cfg = cfg
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, tp_group=None):
+        self.cfg, self.tp_group = cfg, tp_group
         d = Path(cfg.dir).expanduser()
         self.dir = d if d.is_absolute() else Path(run_dir) / d
 
@@ -89,6 +145,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        _to_full(model_sd, optim_sd, _shards(model), self.tp_group)
         state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
         _quiet(dcp.save, state, checkpoint_id=str(tmp))
         if _is_rank0():
@@ -114,14 +171,19 @@ class Checkpointer:
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
         path = resolve(path)
+        shards = _shards(model)
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
+            locals_ = _full_templates(state["model"], None, shards)
             _quiet(dcp.load, state, checkpoint_id=str(path))
+            _to_local(state["model"], None, locals_)
             set_model_state_dict(model, state["model"])
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer)
+            locals_ = _full_templates(model_sd, optim_sd, shards)
             state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
             _quiet(dcp.load, state, checkpoint_id=str(path))
+            _to_local(state["model"], state["optim"], locals_)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             set_rng_state(state["rng"])
         log.info("loaded checkpoint %s", path)
