@@ -35,11 +35,6 @@ def test_every_yaml_composes_and_validates(group, name):
         overrides += [BIG, "trainer.micro_batch_size=1", "trainer.global_batch_size=64"]
     cfg = load(*overrides)
     assert getattr(cfg, group).name == name or group == "optimizer"
-    if group == "parallel" and cfg.parallel.pp > 1:
-        # Layouts of the pipeline issue compose and type-check now; validate refuses them clearly.
-        with pytest.raises(ValueError, match="pipeline parallelism is not available yet"):
-            validate(cfg, ranks_needed(cfg))
-        return
     validate(cfg, ranks_needed(cfg))
 
 
@@ -87,7 +82,24 @@ BAD = [
      "splits model.seq_length=33 over parallel.tp=2"),
     (["parallel=tp4", "model=gpt_tiny", "cluster=slurm_h100", "cluster.devices_per_node=2"], 4,
      "parallel.tp=4 is larger than cluster.devices_per_node=2 (cluster=slurm_h100)"),
-    (["parallel=pp2"], 2, "pipeline parallelism is not available yet"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=3"], 2,
+     "model.num_layers=3 does not split evenly over pp * virtual_pipeline_size = 2 stages"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "parallel.layers_per_stage=[1,2]"], 2,
+     "parallel.layers_per_stage=[1, 2] must be non-negative and sum to model.num_layers=4 (sums to 3)"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "parallel.layers_per_stage=[4]"], 2,
+     "parallel.layers_per_stage has 1 entries but the pipeline has pp * virtual_pipeline_size = 2 stages"),
+    (["parallel=pp4", "model=gpt_tiny", "model.num_layers=8", "parallel.layers_per_stage=[4,0,2,2]"], 4,
+     "only the first and last stage may hold no layer"),
+    (["parallel=pp4", "model=gpt_tiny", "model.num_layers=4", "trainer.micro_batch_size=4",
+      "trainer.global_batch_size=8"], 4, "2 micro-batches per step"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "parallel.pipeline_schedule=interleaved_1f1b"], 2,
+     "parallel.pipeline_schedule=interleaved_1f1b needs virtual_pipeline_size >= 2 (got 1)"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=8", "parallel.virtual_pipeline_size=2"], 2,
+     "parallel.pipeline_schedule=1f1b runs one stage per rank"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "parallel.pipeline_schedule=interleaved_1f1b",
+      "parallel.virtual_pipeline_size=2", "trainer.micro_batch_size=2", "trainer.global_batch_size=6"], 2,
+     "needs the micro-batches per step (3) to be a multiple of parallel.pp=2"),
+    (["parallel.virtual_pipeline_size=2"], 1, "need pipeline parallelism (parallel.pp=1)"),
     (["parallel=tp2"], 3, "tp(2) * pp(1) * dp(1) * cp(1) = 2 != world size (3)"),
     (["parallel=tp2", "parallel.dp=-1"], 3,
      "world size 3 is not divisible by tp(2) * pp(1) * cp(1) = 2, so dp=-1 has no whole value"),

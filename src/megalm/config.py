@@ -98,9 +98,11 @@ class ParallelConfig:
     sequence_parallel: bool = False
     """Shard norms and dropout over the sequence inside the tp group (needs tp > 1)."""
     pipeline_schedule: str = "1f1b"
-    """gpipe | 1f1b | interleaved_1f1b."""
+    """gpipe | 1f1b | interleaved_1f1b | interleaved_zb (zero bubble) | zbv (zero bubble, V-shaped)."""
     virtual_pipeline_size: int = 1
-    """Model chunks per pipeline rank (interleaved schedule)."""
+    """Model chunks per pipeline rank (interleaved schedules: >= 2; zbv: 2)."""
+    layers_per_stage: Optional[List[int]] = None
+    """Layers of each (virtual) stage in order, for uneven splits; None = even."""
     zero_stage: int = 0
     """0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
     recompute: str = "none"
@@ -281,7 +283,7 @@ CHOICES = {
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
     "model.transformer_impl": ("local", "te"),
-    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b"),
+    "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
     "optimizer.name": ("adamw", "sgd"),
     "optimizer.decay": ("cosine", "linear", "constant"),
@@ -388,9 +390,11 @@ def validate(cfg: Config, world_size: int) -> None:
             f"trainer.precision={t.precision} is not available yet; use fp32 or bf16")
     if cfg.checkpoint.async_save:
         raise ValueError("checkpoint.async_save=true is not available yet; use false")
-    if p.pp > 1 or p.virtual_pipeline_size > 1:
-        raise ValueError(f"parallel.pp={p.pp} / virtual_pipeline_size={p.virtual_pipeline_size}: pipeline "
-                         "parallelism is not available yet; use pp=1")
+    if p.pp > 1:
+        _validate_pipeline(p, m, per_step=t.micro_batch_size * dims.dp, global_batch=t.global_batch_size)
+    elif p.virtual_pipeline_size != 1 or p.layers_per_stage:
+        raise ValueError(f"parallel.virtual_pipeline_size={p.virtual_pipeline_size} / layers_per_stage="
+                         f"{p.layers_per_stage} need pipeline parallelism (parallel.pp={p.pp})")
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ValueError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
                          f"parallel.tp={p.tp}, which does not divide it")
@@ -400,6 +404,28 @@ def validate(cfg: Config, world_size: int) -> None:
     if cfg.data.source == "indexed" and not cfg.data.paths:
         raise ValueError("data.source=indexed needs data.paths: a list of .bin/.idx prefixes")
     split_weights(cfg.data.split)
+
+
+def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_batch: int) -> None:
+    from megalm.parallel.pipeline import MULTI_STAGE, stage_layer_ranges
+    schedule, v = p.pipeline_schedule, p.virtual_pipeline_size
+    if schedule in ("gpipe", "1f1b") and v != 1:
+        raise ValueError(f"parallel.pipeline_schedule={schedule} runs one stage per rank; "
+                         f"virtual_pipeline_size={v} needs interleaved_1f1b or interleaved_zb")
+    if schedule in ("interleaved_1f1b", "interleaved_zb") and v < 2:
+        raise ValueError(f"parallel.pipeline_schedule={schedule} needs virtual_pipeline_size >= 2 (got {v})")
+    if schedule == "zbv" and v != 2:
+        raise ValueError(f"parallel.pipeline_schedule=zbv places exactly 2 stages per rank in a V; "
+                         f"set virtual_pipeline_size=2 (got {v})")
+    stages = p.pp * v
+    stage_layer_ranges(m.num_layers, stages, p.layers_per_stage)
+    micro = global_batch // per_step if per_step and global_batch % per_step == 0 else 0
+    if micro and micro < p.pp:
+        raise ValueError(f"{micro} micro-batches per step (global_batch_size {global_batch} / (micro_batch_size * "
+                         f"dp) {per_step}) is fewer than parallel.pp={p.pp}: the pipeline never fills")
+    if micro and schedule in MULTI_STAGE and micro % p.pp:
+        raise ValueError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
+                         f"to be a multiple of parallel.pp={p.pp}")
 
 
 def split_weights(split: str) -> List[float]:

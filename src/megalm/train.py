@@ -88,6 +88,13 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     log.info("model %s: %.2fM parameters on this rank (%s, world %d: %s); run directory %s", cfg.model.name,
              n_params / 1e6, device, world_size, dims, run_dir)
 
+    pipeline = None
+    if dims.pp > 1:
+        from megalm.parallel.pipeline import build_pipeline
+        plan = model.pp_plan
+        pipeline = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"],
+                                  mesh["pp"].get_group(), cfg.parallel,
+                                  t.global_batch_size // (t.micro_batch_size * dims.dp), device)
     optimizer = build_optimizer(cfg.optimizer, model)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None)
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
@@ -95,7 +102,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
                            OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer, metrics=metrics, mesh=mesh,
+        checkpointer=checkpointer, metrics=metrics, mesh=mesh, pipeline=pipeline,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0)
     latest = checkpointer.latest()

@@ -51,7 +51,7 @@ class GPT(nn.Module):
         """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss."""
         T = tokens.shape[1]
         x = self.embed(tokens, start)  # (B, T, h), or this rank's sequence shard under SP
-        rope = self.rope(start + T, tokens.device)
+        rope = self.rope(max(self.cfg.seq_length, start + T), tokens.device)
         for block in self.blocks.values():
             x = block(x, rope, cache, start)
         logits = self.head(self.norm(x))  # (B, T, V), or this rank's vocabulary shard under TP
@@ -125,7 +125,9 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             shape = list(p.shape)
             if shard is not None:
                 shape[shard.dim] *= shard.world
-            g = torch.Generator(device="cpu").manual_seed(_name_seed(seed, name))
+            # The last pipeline stage's copy of a tied embedding draws as the embedding does.
+            key = getattr(p, "tied_copy_of", name)
+            g = torch.Generator(device="cpu").manual_seed(_name_seed(seed, key))
             full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
             p.copy_(shard.local(full) if shard is not None else full)
 

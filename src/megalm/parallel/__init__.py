@@ -28,12 +28,31 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> n
     """Apply the layout `cfg` over `mesh` to `model` (still on the meta device) and return it."""
     if mesh is None:
         return model
-    tp = mesh["tp"]
+    import torch
+    pp, tp = mesh["pp"], mesh["tp"]
+    if pp.size() > 1:
+        # 1. Pipeline split first, so the tensor-parallel plan only touches what this rank keeps.
+        from megalm.parallel.pipeline import embedding_group, keep_stage_parts, stage_layer_ranges, virtual_stages_of
+        num_stages = pp.size() * (2 if cfg.pipeline_schedule == "zbv" else cfg.virtual_pipeline_size)
+        ranges = stage_layer_ranges(model.cfg.num_layers, num_stages, cfg.layers_per_stage)
+        stage_ids = virtual_stages_of(pp.get_local_rank(), pp.size(), cfg.virtual_pipeline_size,
+                                      cfg.pipeline_schedule)
+        first, last = 0 in stage_ids, num_stages - 1 in stage_ids
+        keep_stage_parts(model, [i for s in stage_ids for i in ranges[s]], first, last)
+        model.pp_plan = {"ranges": ranges, "stage_ids": stage_ids, "num_stages": num_stages}
+        if model.cfg.tie_embeddings:
+            last_pp_rank = 0 if cfg.pipeline_schedule == "zbv" else pp.size() - 1
+            model.embedding_group = embedding_group(mesh, last_pp_rank)
     if tp.size() > 1:
+        # 2. Tensor (and sequence) parallel layers.
         from megalm.parallel.tp_plan import apply_tensor_parallel
-        import torch
         apply_tensor_parallel(model, tp.get_group(), sequence_parallel=cfg.sequence_parallel, seed=seed,
                               rng_device=torch.device(mesh.device_type))
+    if getattr(model, "embedding_group", None) is not None and model.embed is None and model.head is not None:
+        # The last stage's head is a copy of the tied embedding: initialised from the embedding's
+        # name, and left out of the gradient norm (the first stage counts that matrix).
+        model.head.weight.tied_copy_of = "embed.tok.weight"
+    # 3. Data parallel: gradients averaged in megalm.parallel.grads.finalize_grads.
     return model
 
 

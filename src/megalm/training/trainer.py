@@ -24,11 +24,13 @@ log = logging.getLogger("megalm.trainer")
 class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, metrics: MetricLogger,
-                 throughput: Throughput, device: torch.device, mesh=None, is_rank0: bool = True):
+                 throughput: Throughput, device: torch.device, mesh=None, pipeline=None,
+                 is_rank0: bool = True):
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
-        self.device, self.is_rank0, self.mesh = device, is_rank0, mesh
+        self.device, self.is_rank0, self.mesh, self.pipeline = device, is_rank0, mesh, pipeline
+        self.pp_group = mesh["pp"].get_group() if mesh is not None and mesh["pp"].size() > 1 else None
         self.params = list(model.parameters())
         self.tp_group = mesh["tp"].get_group() if mesh is not None else None
         self.dp_group = mesh["dp"].get_group() if mesh is not None else None
@@ -64,14 +66,20 @@ class Trainer:
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
-        for mb in micro_batches:
-            mb = mb.to(self.device, non_blocking=True)
+        if self.pipeline is not None:
+            # The schedule splits the batch into the same micro-batches and averages their gradients.
+            batch = torch.cat(micro_batches).to(self.device)
             with self._autocast():
-                loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
-            loss.backward()
-            total += loss.detach()
+                total = self.pipeline.step(batch[:, :-1], batch[:, 1:])
+        else:
+            for mb in micro_batches:
+                mb = mb.to(self.device, non_blocking=True)
+                with self._autocast():
+                    loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
+                loss.backward()
+                total += loss.detach()
         finalize_grads(self.model, self.mesh)
-        norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group)
+        norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group)
         if finite:
             self.optimizer.step()
         else:
@@ -91,7 +99,13 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
         losses = []
         for _ in range(self.cfg.eval_steps):
-            for mb in loader.next_batch():
+            micro_batches = loader.next_batch()
+            if self.pipeline is not None:
+                batch = torch.cat(micro_batches).to(self.device)
+                with self._autocast():
+                    losses.append(self.pipeline.step(batch[:, :-1], batch[:, 1:], train=False))
+                continue
+            for mb in micro_batches:
                 mb = mb.to(self.device)
                 with self._autocast():
                     losses.append(self.model(mb[:, :-1], mb[:, 1:]).float())
