@@ -139,21 +139,28 @@ def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
                       "all_reduce": sp_params + 4}
 
 
-def test_tp_checkpoint_resumes_and_loads_at_another_layout(tmp_path):
-    """tp2+sp saves at step 2; resuming at tp2 and loading at single both continue the curve."""
-    common = [*BASE, *LLAMA, "checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=4"]
-    tp2 = [*common, "parallel=tp2", "parallel.sequence_parallel=true"]
+CKPT_LAYOUTS = [("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2),
+                ("gpt2", ["parallel=pp2"], 2),
+                ("llama", ["parallel=tp2_pp2_dp2"], 8)]
+
+
+@pytest.mark.parametrize("family,layout,world", CKPT_LAYOUTS, ids=["-".join(l) for _, l, _ in CKPT_LAYOUTS])
+def test_checkpoint_resumes_and_loads_at_single(tmp_path, family, layout, world):
+    """Save at step 2 of 4; resuming at the same layout and loading at single both continue the curve."""
+    common = [*BASE, *(GPT2 if family == "gpt2" else LLAMA), "checkpoint.save=true", "checkpoint.interval=2",
+              "optimizer.decay_steps=4"]
+    parallel = [*common, *layout]
     straight = tmp_path / "straight"
-    run_ranks(2, _rank_run, tp2, str(straight))
+    run_ranks(world, _rank_run, parallel, str(straight))
     ref, _ = losses(straight)
 
     resumed = tmp_path / "resumed"
-    run_ranks(2, _rank_run, [*tp2, "trainer.max_steps=2"], str(resumed))
-    run_ranks(2, _rank_run, tp2, str(resumed))  # auto-resume from step 2 in the same directory
+    run_ranks(world, _rank_run, [*parallel, "trainer.max_steps=2"], str(resumed))
+    run_ranks(world, _rank_run, parallel, str(resumed))  # auto-resume from step 2 in the same directory
     assert losses(resumed)[0] == pytest.approx(ref, rel=1e-5)
 
     from megalm.train import run
     single = tmp_path / "single"
     run(load(*common, f"checkpoint.load={resumed / 'checkpoints' / 'step_00000002'}"), single, 1)
     after, _ = losses(single)
-    assert after == pytest.approx(ref[2:], rel=1e-5)  # steps 3 and 4, from tp2's full-shape tensors
+    assert after == pytest.approx(ref[2:], rel=1e-5)  # steps 3 and 4 from the full-shape tensors

@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
+    StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 
 from megalm.config import CheckpointConfig
 
 log = logging.getLogger("megalm.checkpoint")
+# Optimizer state keyed per parameter ("state.<name>.exp_avg"), so pipeline stages, which hold
+# different parameters, never write conflicting param_groups.
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 STATE_FILE = "trainer_state.json"
 
 
@@ -81,42 +84,41 @@ def _gather_full(local: torch.Tensor, spec, group) -> torch.Tensor:
     return full_from_shards(parts, spec)
 
 
+def _optim_keys(optim_sd, name: str):
+    """Keys of the flattened optimizer state that hold tensors shaped like parameter `name`."""
+    prefix = f"state.{name}."
+    return [k for k, v in (optim_sd or {}).items()
+            if k.startswith(prefix) and "." not in k[len(prefix):] and torch.is_tensor(v) and v.dim() > 0]
+
+
 def _to_full(model_sd, optim_sd, shards, group) -> None:
-    """Replace shards by full tensors in place (model and optimizer state dicts)."""
+    """Replace shards by full tensors (model and flattened optimizer state dicts)."""
     for name, spec in shards.items():
         if name in model_sd:
             model_sd[name] = _gather_full(model_sd[name], spec, group)
-        state = (optim_sd or {}).get("state", {})
-        if name in state:
-            state[name] = dict(state[name])  # the inner dicts are the optimizer's live state
-            for key, value in state[name].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    state[name][key] = _gather_full(value, spec, group)
+        for key in _optim_keys(optim_sd, name):
+            optim_sd[key] = _gather_full(optim_sd[key], spec, group)
 
 
-def _full_templates(model_sd, optim_sd, shards) -> Dict[str, Any]:
-    """Full-shaped buffers for DCP to load into; returns {(section, name, key): shard view}."""
-    locals_ = {}
+def _full_templates(model_sd, optim_sd, shards) -> Dict[tuple, Any]:
+    """Swap shards for full-shaped buffers for DCP to load into; remember how to slice them back."""
+    specs = {}
     for name, spec in shards.items():
-        if name in model_sd:
-            locals_[("model", name, None)] = (model_sd[name], spec)
-            model_sd[name] = torch.empty(spec.full_shape(model_sd[name].shape), dtype=model_sd[name].dtype)
-        state = (optim_sd or {}).get("state", {})
-        if name in state:
-            state[name] = dict(state[name])
-            for key, value in state[name].items():
-                if torch.is_tensor(value) and value.dim() > 0:
-                    locals_[("optim", name, key)] = (value, spec)
-                    state[name][key] = torch.empty(spec.full_shape(value.shape), dtype=value.dtype)
-    return locals_
+        for sd, keys in ((model_sd, [name] if name in model_sd else []), (optim_sd, _optim_keys(optim_sd, name))):
+            for key in keys:
+                specs[(id(sd), key)] = spec
+                sd[key] = torch.empty(spec.full_shape(sd[key].shape), dtype=sd[key].dtype)
+    return specs
 
 
-def _to_local(model_sd, optim_sd, locals_) -> None:
-    for (section, name, key), (_, spec) in locals_.items():
-        if section == "model":
-            model_sd[name] = spec.local(model_sd[name]).contiguous()
-        else:
-            optim_sd["state"][name][key] = spec.local(optim_sd["state"][name][key]).contiguous()
+def _to_local(model_sd, optim_sd, specs) -> None:
+    for sd in (model_sd, optim_sd):
+        if sd is None:
+            continue
+        for key in list(sd.keys()):
+            spec = specs.get((id(sd), key))
+            if spec is not None:
+                sd[key] = spec.local(sd[key]).contiguous()
 
 
 class Checkpointer:
@@ -144,7 +146,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
         _to_full(model_sd, optim_sd, _shards(model), self.tp_group)
         state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
         _quiet(dcp.save, state, checkpoint_id=str(tmp))
@@ -179,12 +181,13 @@ class Checkpointer:
             _to_local(state["model"], None, locals_)
             set_model_state_dict(model, state["model"])
         else:
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
             locals_ = _full_templates(model_sd, optim_sd, shards)
             state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
             _quiet(dcp.load, state, checkpoint_id=str(path))
             _to_local(state["model"], state["optim"], locals_)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=OPTIONS)
             set_rng_state(state["rng"])
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())
