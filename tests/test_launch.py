@@ -66,3 +66,15 @@ def test_pp2_training_then_generation_from_its_checkpoint(tmp_path):
                        text=True, timeout=120)
     assert g.returncode == 0, g.stderr[-3000:]
     assert "step 2" in g.stderr and g.stdout.startswith("1 2 3")
+
+
+def test_under_torchrun_each_process_is_a_rank(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["--nproc-per-node", "2", "-m", "megalm.train", "model=gpt_tiny", "data=mock", "parallel=dp2",
+            "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
+            "trainer.eval_steps=1", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (r.stdout + r.stderr).count("saved checkpoint") == 1  # rank 0 alone reports
+    assert sum('"loss"' in line for line in (run_dir / "metrics.jsonl").read_text().splitlines()) == 2

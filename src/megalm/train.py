@@ -128,6 +128,8 @@ def main(dcfg: DictConfig) -> Optional[float]:
         init_distributed(cfg, resolve_device(cfg.trainer.device).type)
         shared = [str(run_dir)]  # ranks may have started seconds apart: take rank 0's directory
         dist.broadcast_object_list(shared, src=0)
+        if dist.get_rank() != 0:  # Hydra set up logging on every rank; only rank 0 reports progress
+            logging.getLogger().setLevel(logging.WARNING)
         try:
             return run(cfg, Path(shared[0]), world)
         finally:
