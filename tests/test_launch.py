@@ -72,7 +72,8 @@ def test_under_torchrun_each_process_is_a_rank(tmp_path):
     run_dir = tmp_path / "run"
     args = ["--nproc-per-node", "2", "-m", "megalm.train", "model=gpt_tiny", "data=mock", "parallel=dp2",
             "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
-            "trainer.eval_steps=1", "trainer.progress_bar=false", f"hydra.run.dir={run_dir}"]
+            "trainer.eval_steps=1", "trainer.progress_bar=false", "trainer.log_interval=1",
+            f"hydra.run.dir={run_dir}"]
     r = subprocess.run([sys.executable, "-m", "torch.distributed.run", *args], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
