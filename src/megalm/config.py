@@ -106,7 +106,9 @@ class ParallelConfig:
     zero_stage: int = 0
     """0 = plain DP, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters."""
     recompute: str = "none"
-    """none | selective | full activation recomputation."""
+    """none | selective (attention core) | full (whole blocks) activation recomputation."""
+    recompute_num_layers: Optional[int] = None
+    """With recompute=full: recompute the first N blocks of each stage; None = every block."""
 
 
 @dataclass
@@ -398,9 +400,11 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ValueError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
                          f"parallel.tp={p.tp}, which does not divide it")
-    if p.zero_stage != 0 or p.recompute != "none":
-        raise ValueError(f"parallel.zero_stage={p.zero_stage} / parallel.recompute={p.recompute} are not "
-                         "available yet; use zero_stage=0 and recompute=none")
+    if p.zero_stage != 0:
+        raise ValueError(f"parallel.zero_stage={p.zero_stage} is not available yet; use zero_stage=0")
+    if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
+        raise ValueError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
+                         f"(got {p.recompute}) and a value of at least 1")
     if cfg.data.source == "indexed" and not cfg.data.paths:
         raise ValueError("data.source=indexed needs data.paths: a list of .bin/.idx prefixes")
     split_weights(cfg.data.split)

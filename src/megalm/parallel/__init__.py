@@ -1,10 +1,10 @@
 """Parallelism applied to a plain model from outside, in one ordered function.
 
-Order (each step assumes the previous ones): tensor parallel (swap linears and embeddings for
-sharded ones while the model is still on the meta device, so no full weight is allocated) →
-pipeline split → activation recomputation → precision → data parallel / ZeRO. Data parallelism
-is plain gradient averaging in `finalize_grads` for now; pipeline, recomputation and ZeRO are
-refused by `validate` until they land.
+Order (each step assumes the previous ones): pipeline split (keep only this rank's layers) →
+tensor parallel (swap linears and embeddings for sharded ones while the model is still on the
+meta device, so no full weight is allocated) → activation recomputation (it must see the tp
+dropout stream to replay it) → data parallel. Data parallelism is plain gradient averaging in
+`finalize_grads` for now; ZeRO is refused by `validate` until it lands.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ def te_available() -> bool:
 
 def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> nn.Module:
     """Apply the layout `cfg` over `mesh` to `model` (still on the meta device) and return it."""
+    from megalm.parallel.recompute import apply_recompute
     if mesh is None:
+        apply_recompute(model, cfg)
         return model
     import torch
     pp, tp = mesh["pp"], mesh["tp"]
@@ -52,7 +54,10 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> n
         # The last stage's head is a copy of the tied embedding: initialised from the embedding's
         # name, and left out of the gradient norm (the first stage counts that matrix).
         model.head.weight.tied_copy_of = "embed.tok.weight"
-    # 3. Data parallel: gradients averaged in megalm.parallel.grads.finalize_grads.
+    # 3. Activation recomputation, after TP so it sees (and replays) the tp dropout stream.
+    plan = getattr(model, "pp_plan", None)
+    apply_recompute(model, cfg, [plan["ranges"][s] for s in plan["stage_ids"]] if plan else None)
+    # 4. Data parallel: gradients averaged in megalm.parallel.grads.finalize_grads.
     return model
 
 
