@@ -152,7 +152,17 @@ class TrainerConfig:
     log_interval: int = 10
     """Write metrics every this many steps."""
     precision: str = "fp32"
-    """fp32 | bf16 (autocast, fp32 master weights) | fp16 | fp8."""
+    """fp32 | bf16 | fp16 (autocast compute, fp32 master weights and gradients) | fp8 (Transformer Engine)."""
+    loss_scale: Optional[float] = None
+    """fp16 only: a fixed loss scale; None = dynamic scaling."""
+    initial_loss_scale: float = 4294967296.0
+    """fp16 dynamic scaling: starting scale (2^32, as Megatron)."""
+    loss_scale_window: int = 1000
+    """fp16 dynamic scaling: clean steps before the scale doubles."""
+    hysteresis: int = 2
+    """fp16 dynamic scaling: overflowing steps tolerated before the scale halves."""
+    min_loss_scale: float = 1.0
+    """fp16 dynamic scaling: the scale never drops below this."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
     seed: int = 1234
@@ -387,9 +397,14 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
     # Not built yet: refuse clearly rather than silently run something else.
-    if t.precision in ("fp16", "fp8"):
-        raise ValueError(
-            f"trainer.precision={t.precision} is not available yet; use fp32 or bf16")
+    if t.precision == "fp8":
+        raise ValueError("trainer.precision=fp8 runs through Transformer Engine (model.transformer_impl=te), "
+                         "which is not wired in yet; use fp32, bf16 or fp16")
+    for key, value in (("trainer.initial_loss_scale", t.initial_loss_scale), ("trainer.min_loss_scale", t.min_loss_scale),
+                       ("trainer.loss_scale_window", t.loss_scale_window), ("trainer.hysteresis", t.hysteresis),
+                       ("trainer.loss_scale", t.loss_scale if t.loss_scale is not None else 1.0)):
+        if value <= 0:
+            raise ValueError(f"{key}={value} must be positive")
     if cfg.checkpoint.async_save:
         raise ValueError("checkpoint.async_save=true is not available yet; use false")
     if p.pp > 1:

@@ -110,6 +110,7 @@ class Pipeline:
     num_stages: int
     owner: List[int]  # global rank running each stage
     rank: int
+    loss_scale: float = 1.0  # fp16: the trainer's current loss scale
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
         """Run a batch split into the schedule's micro-batches; the mean loss on every pp rank."""
@@ -118,8 +119,8 @@ class Pipeline:
         losses: List[torch.Tensor] = []
         self.schedule.step(*((tokens,) if self.has_first else ()), target=labels if self.has_last else None,
                            losses=losses if self.has_last else None, return_outputs=False)
-        # The schedule's loss is each micro-batch's mean / n_microbatches: their sum is the batch mean.
-        return self._share([l.detach().float() * self.n_microbatches for l in losses])
+        # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
+        return self._share([l.detach().float() * (self.n_microbatches / self.loss_scale) for l in losses])
 
     @torch.no_grad()
     def _forward_only(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -173,7 +174,10 @@ def build_pipeline(model: GPT, stage_ranges: List[range], stage_ids: List[int], 
     loss_fn = lambda logits, labels: model.loss(logits, labels)  # noqa: E731 — the last stage's LMLoss
     # Scale the loss, not the gradients: the schedule's gradient scaling runs once per stage, so a
     # weight shared by two stages of one rank (ZBV's tied embedding and head) would be scaled twice.
-    train_loss_fn = lambda logits, labels: model.loss(logits, labels) / n_microbatches  # noqa: E731
+    # The fp16 loss scale (Pipeline.loss_scale, set by the trainer each step) multiplies in here too.
+    holder: List[Pipeline] = []
+    train_loss_fn = lambda logits, labels: (  # noqa: E731
+        model.loss(logits, labels) * (holder[0].loss_scale / n_microbatches))
     name = cfg.pipeline_schedule
     if name in MULTI_STAGE:
         cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
@@ -186,9 +190,11 @@ def build_pipeline(model: GPT, stage_ranges: List[range], stage_ids: List[int], 
     pp = len(pp_ranks)
     owner = [pp_ranks[next(r for r in range(pp) if s in virtual_stages_of(r, pp, len(stage_ids), name))]
              for s in range(num_stages)]
-    return Pipeline(schedule, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
-                    last_rank=owner[-1], group=group, loss_fn=loss_fn, n_microbatches=n_microbatches,
-                    num_stages=num_stages, owner=owner, rank=dist.get_rank())
+    pipeline = Pipeline(schedule, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
+                        last_rank=owner[-1], group=group, loss_fn=loss_fn, n_microbatches=n_microbatches,
+                        num_stages=num_stages, owner=owner, rank=dist.get_rank())
+    holder.append(pipeline)
+    return pipeline
 
 
 def embedding_group(mesh, last_pp_rank: int):

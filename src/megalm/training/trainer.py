@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -17,6 +16,7 @@ from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.parallel.grads import clip_grads, finalize_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
+from megalm.training.precision import DynamicLossScaler, autocast
 
 log = logging.getLogger("megalm.trainer")
 
@@ -41,10 +41,21 @@ class Trainer:
         self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
                                        global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         self.val_loss: Optional[float] = None
+        self.scaler = None
+        if cfg.precision == "fp16":
+            self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis,
+                                            cfg.min_loss_scale, static=cfg.loss_scale)
+        if pipeline is not None:
+            pipeline.loss_scale = self.scaler.scale if self.scaler else 1.0
+        self.skipped_steps = 0
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
-        return {"consumed_samples": self.loader.consumed_samples, "val_loss": self.val_loss}
+        state = {"consumed_samples": self.loader.consumed_samples, "val_loss": self.val_loss,
+                 "skipped_steps": self.skipped_steps}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state_dict()
+        return state
 
     def load(self, path, weights_only: bool = False) -> None:
         saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer)
@@ -52,12 +63,13 @@ class Trainer:
             self.step = saved["step"]
             self.loader.consumed_samples = saved["consumed_samples"]
             self.val_loss = saved.get("val_loss")
+            self.skipped_steps = saved.get("skipped_steps", 0)
+            if self.scaler is not None and "loss_scaler" in saved:
+                self.scaler.load_state_dict(saved["loss_scaler"])
         log.info("resuming at step %d (consumed samples %d)", self.step, self.loader.consumed_samples)
 
     def _autocast(self):
-        if self.cfg.precision == "bf16":
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast(self.cfg.precision, self.device.type)
 
     # -- one step --------------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
@@ -66,8 +78,10 @@ class Trainer:
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
+            self.pipeline.loss_scale = scale
             batch = torch.cat(micro_batches).to(self.device)
             with self._autocast():
                 total = self.pipeline.step(batch[:, :-1], batch[:, 1:])
@@ -76,18 +90,31 @@ class Trainer:
                 mb = mb.to(self.device, non_blocking=True)
                 with self._autocast():
                     loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
-                loss.backward()
+                (loss * scale if scale != 1.0 else loss).backward()
                 total += loss.detach()
         finalize_grads(self.model, self.mesh)
-        norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group)
-        if finite:
-            self.optimizer.step()
+        overflow = False
+        if self.scaler is not None:
+            overflow = self.scaler.unscale_and_check(self.params)  # agreed over every rank
+            self.scaler.update(overflow)
+        if overflow:
+            norm = torch.tensor(float("inf"))
+            self.skipped_steps += 1
+            log.warning("step %d: fp16 gradients overflowed at loss scale %g on some rank; every rank skips "
+                        "the update (loss scale now %g)", self.step + 1, scale, self.scaler.scale)
         else:
-            log.warning("step %d: gradient norm is %s; skipping the update", self.step + 1, norm.item())
+            norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group)
+            if finite:
+                self.optimizer.step()
+            else:
+                log.warning("step %d: gradient norm is %s; skipping the update", self.step + 1, norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.throughput.add(self.cfg.global_batch_size * (micro_batches[0].shape[1] - 1))  # seq tokens a sample
-        return {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
+        out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
+        if self.scaler is not None:
+            out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
+        return out
 
     @torch.no_grad()
     def evaluate(self) -> float:
