@@ -10,6 +10,7 @@ test with its traceback.
 from __future__ import annotations
 
 import os
+import pickle
 import tempfile
 import traceback
 from typing import Any, Callable, List
@@ -27,7 +28,9 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, "ok", out))
+        # Pickled here, by value: the queue's own pickler would share tensor storage through
+        # file descriptors, which the parent cannot fetch once this process has exited.
+        queue.put((rank, "ok", pickle.dumps(out)))
     except BaseException:  # report everything, including assertion failures inside fn
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -58,7 +61,7 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0)
             if status == "error":
                 errors.append(f"rank {rank}:\n{payload}")
                 break  # the other ranks may now hang in a collective; stop them below
-            results[rank] = payload
+            results[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=5 if errors else timeout)
             if p.is_alive():
