@@ -200,26 +200,7 @@ def test_corpus_order_and_limit(corpus):
 
 # ---------------------------------------------------------------- packing
 
-def test_packed_samples_match_slow_reference(tmp_path):
-    rng = np.random.default_rng(1)
-    docs = [d + [999] for d in random_docs(rng, 60, 999, max_len=30)]
-    ds = write(tmp_path / "p", docs, np.uint16)
-    docs_range, seq, seed = range(5, 47), 7, 3
-    gpt = GPTDataset(ds, docs_range, seq_length=seq, seed=seed, name="train")
-    total = sum(len(docs[d]) for d in docs_range)
-    assert len(gpt) == (total - 1) // seq
-    for epoch in range(3):
-        order = np.random.default_rng([seed, epoch]).permutation(len(docs_range))
-        stream = []
-        for k in order:
-            for token in docs[docs_range[k]]:
-                stream.append(token)
-        for k in range(len(gpt)):
-            sample = gpt[epoch * len(gpt) + k]
-            assert sample.dtype == np.int64 and sample.shape == (seq + 1,)
-            assert sample.tolist() == stream[k * seq:k * seq + seq + 1]
-    assert not np.array_equal(gpt[0], gpt[len(gpt)])  # epochs are reshuffled
-
+# The sample index against a token-by-token reference, epochs and shuffling: tests/test_data_gpt.py.
 
 def test_too_small_split_names_the_numbers(tmp_path):
     ds = write(tmp_path / "s", [[1, 2, 3], [4, 5]], np.uint16)
@@ -231,6 +212,9 @@ def test_split_documents():
     assert split_documents(100, "98,2,0") == [range(0, 98), range(98, 100), range(100, 100)]
     assert split_documents(10, "1,1") == [range(0, 5), range(5, 10), range(10, 10)]
     assert split_documents(7, "4,2,1") == [range(0, 4), range(4, 6), range(6, 7)]
+    # Megatron's rounding: each part rounds on its own, then the boundaries shift to end at N.
+    assert split_documents(10, "1,1,1") == [range(0, 4), range(4, 7), range(7, 10)]
+    assert split_documents(1000, "949,50,1") == [range(0, 949), range(949, 999), range(999, 1000)]
     with pytest.raises(ValueError, match="data.split"):
         split_documents(10, "1,x")
 
@@ -321,10 +305,18 @@ def test_build_data_stdlib_end_to_end(tmp_path, monkeypatch):
                         lambda *a, **k: pytest.fail("retrained"))
     again = build_data(cfg, seq_length=32, seed=1)
     assert idx.stat().st_mtime_ns == stamp and np.array_equal(again.valid[3], bundle.valid[3])
+    assert not again.train.built_anew  # the sample indices come from the cache too
+
+    # The stdlib corpus goes through the Megatron GPT dataset: asking for more samples than one
+    # epoch holds builds more epochs over the same cached tokens.
+    one_epoch = len(bundle.train)
+    more = build_data(cfg, seq_length=32, seed=1, num_samples={"train": 3 * one_epoch, "valid": 5})
+    assert more.train.num_epochs == 3 and len(more.train) >= 3 * one_epoch and len(more.valid) >= 5
+    assert idx.stat().st_mtime_ns == stamp
 
     # The cache folder is a self-contained indexed dataset.
     indexed_cfg = DataConfig(source="indexed", paths=[str(idx.with_suffix(""))], split="80,20,0",
-                             tokenizer=TokenizerConfig(model=str(idx.parent / "tokenizer.model")))
+                             cache_dir=str(tmp_path / "cache"), tokenizer=TokenizerConfig(model=str(idx.parent / "tokenizer.model")))
     direct = build_data(indexed_cfg, seq_length=32, seed=1)
     assert direct.tokenizer.identity == tok.identity
     assert np.array_equal(direct.train[5], bundle.train[5])

@@ -79,7 +79,16 @@ def _write_index(final_idx: Path, dtype: np.dtype, sizes: np.ndarray, doc_idx: n
     return tmp
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _install(bin_tmp: str, idx_tmp: str, bin_path: Path, idx_path: Path) -> None:
+    mode = 0o666 & ~_umask()  # mkstemp made them private; give them a normal file's mode
+    os.chmod(bin_tmp, mode)
+    os.chmod(idx_tmp, mode)
     # Drop a previous .idx first: if we stop between the two renames, the new .bin
     # must not be paired with the old index.
     idx_path.unlink(missing_ok=True)

@@ -14,14 +14,13 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
 from megalm.config import DataConfig, split_weights
 from megalm.data.blended import BlendedDataset, parse_blend, per_dataset_samples
-from megalm.data.cache import cache_key
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype

@@ -1,0 +1,452 @@
+"""Raw text to Megatron .bin/.idx: `python -m megalm.data.preprocess` (or scripts/preprocess_data.py).
+
+    python -m megalm.data.preprocess --input 'corpus/*.jsonl' --output-prefix out/corpus \\
+        --json-keys text --append-eod --workers 8 \\
+        --tokenizer-type sentencepiece --tokenizer-model tok/tokenizer.model
+    python -m megalm.data.preprocess --merge out/part0_text_document out/part1_text_document \\
+        --output-prefix out/all_text_document
+
+Inputs are JSON lines (one object per line; each --json-keys key holds a document, written to
+`{prefix}_{key}_document.bin/.idx` as Megatron's tools/preprocess_data.py names them) or plain
+text (--text-document: one document per paragraph, line or file), optionally gzipped. The input
+streams through in chunks of about --chunk-mb of raw bytes; with --workers N a process pool parses
+and tokenizes the chunks while the main process writes the results in input order, so the output
+is byte for byte the same for any N and memory stays bounded by the chunks in flight. Documents
+that tokenize to nothing are skipped and counted. Output files appear only when complete (the
+writer's temporary names and renames), so an interrupted run leaves nothing that looks finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import dataclasses
+import glob as globlib
+import gzip
+import itertools
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megalm.config import TokenizerConfig
+from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, merge_datasets
+from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+
+log = logging.getLogger("megalm.data.preprocess")
+
+TEXT_DOCUMENT_MODES = ("paragraph", "line", "file")
+_MEGATRON_TOKENIZER_NAMES = {  # Megatron's --tokenizer-type values, for familiar command lines
+    "sentencepiecetokenizer": "sentencepiece", "gptsentencepiecetokenizer": "sentencepiece",
+    "huggingfacetokenizer": "huggingface", "hf": "huggingface", "nulltokenizer": "null",
+}
+
+
+class PreprocessError(ValueError):
+    """Bad input, with the file and line it came from."""
+
+
+@dataclass
+class Chunk:
+    """A run of consecutive documents of one input file, as raw bytes."""
+    file: str
+    kind: str  # jsonl | text
+    lines: List[int]  # line number of each record (1-based), for messages
+    records: List[bytes]
+    nbytes: int
+
+
+@dataclass
+class PreprocessStats:
+    documents: int = 0
+    """Records read (JSON lines, or text documents)."""
+    bytes: int = 0
+    """Raw input bytes read."""
+    seconds: float = 0.0
+    tokens: Dict[str, int] = field(default_factory=dict)
+    """Tokens written per key (eod included)."""
+    written: Dict[str, int] = field(default_factory=dict)
+    """Documents written per key."""
+    skipped_empty: Dict[str, int] = field(default_factory=dict)
+    """Documents per key that tokenized to nothing and were left out."""
+    outputs: Dict[str, str] = field(default_factory=dict)
+    """Output prefix per key."""
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.documents / max(self.seconds, 1e-9)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.seconds, 1e-9)
+
+
+# ---------------------------------------------------------------- reading
+
+def expand_inputs(patterns: Sequence[str]) -> List[Path]:
+    """Files named by paths or glob patterns, in the order given (each pattern's matches sorted)."""
+    files: List[Path] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern))
+        if any(ch in pattern for ch in "*?["):
+            matches = sorted(globlib.glob(pattern, recursive=True))
+            matches = [m for m in matches if os.path.isfile(m)]
+            if not matches:
+                raise FileNotFoundError(f"input pattern {pattern!r} matches no files")
+            files += [Path(m) for m in matches]
+        elif os.path.isdir(pattern):
+            raise IsADirectoryError(f"input {pattern} is a directory; give files or a glob like {pattern}/*.jsonl")
+        elif not os.path.isfile(pattern):
+            raise FileNotFoundError(f"input file {pattern} does not exist")
+        else:
+            files.append(Path(pattern))
+    if not files:
+        raise ValueError("no input files given")
+    return files
+
+
+def input_kind(path: Path, input_format: str = "auto") -> str:
+    if input_format in ("jsonl", "text"):
+        return input_format
+    if input_format != "auto":
+        raise ValueError(f"--input-format {input_format!r} is not one of auto, jsonl, text")
+    name = path.name[:-3] if path.name.endswith(".gz") else path.name
+    return "jsonl" if name.endswith((".jsonl", ".json", ".ndjson")) else "text"
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb", buffering=1 << 20)
+
+
+def _records(path: Path, kind: str, text_document: str) -> Iterator[Tuple[int, bytes]]:
+    """(line number, raw document bytes) of one file, streamed."""
+    with _open(path) as f:
+        if kind == "jsonl":
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    yield n, line
+        elif text_document == "file":
+            yield 1, f.read()
+        elif text_document == "line":
+            for n, line in enumerate(f, 1):
+                yield n, line[:-1] if line.endswith(b"\n") else line
+        elif text_document == "paragraph":
+            block: List[bytes] = []
+            first = 1
+            for n, line in enumerate(f, 1):
+                if line.strip(b"\r\n") == b"":
+                    if block:
+                        yield first, _paragraph(block)
+                        block = []
+                    first = n + 1
+                else:
+                    block.append(line)
+            if block:
+                yield first, _paragraph(block)
+        else:
+            raise ValueError(f"--text-document {text_document!r} is not one of {', '.join(TEXT_DOCUMENT_MODES)}")
+
+
+def _paragraph(lines: List[bytes]) -> bytes:
+    text = b"".join(lines)
+    return text[:-1] if text.endswith(b"\n") else text
+
+
+def read_chunks(files: Sequence[Path], *, input_format: str = "auto", text_document: str = "paragraph",
+                chunk_bytes: int = 1 << 20) -> Iterator[Chunk]:
+    """The inputs' documents in order, grouped into chunks of about chunk_bytes raw bytes."""
+    for path in files:
+        kind = input_kind(path, input_format)
+        lines: List[int] = []
+        records: List[bytes] = []
+        size = 0
+        for n, raw in _records(path, kind, text_document):
+            lines.append(n)
+            records.append(raw)
+            size += len(raw)
+            if size >= chunk_bytes:
+                yield Chunk(str(path), kind, lines, records, size)
+                lines, records, size = [], [], 0
+        if records:
+            yield Chunk(str(path), kind, lines, records, size)
+
+
+# ---------------------------------------------------------------- tokenizing (in the workers)
+
+_STATE: Dict[str, Any] = {}
+
+
+def _init_worker(tok_cfg: dict, keys: Tuple[str, ...], append_eod: bool, num_threads: int,
+                 in_pool: bool = False) -> None:
+    if in_pool:  # the main process handles Ctrl-C and kill, then terminates the pool
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if num_threads == 1 else "true")
+    tokenizer = build_tokenizer(TokenizerConfig(**tok_cfg))
+    _STATE.update(tokenizer=tokenizer, keys=keys, append_eod=append_eod, num_threads=num_threads)
+
+
+def _texts_of(chunk: Chunk, keys: Tuple[str, ...]) -> Dict[str, List[Any]]:
+    texts: Dict[str, List[Any]] = {k: [] for k in keys}
+    for line, raw in zip(chunk.lines, chunk.records):
+        if chunk.kind == "text":
+            try:
+                texts[keys[0]].append(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise PreprocessError(f"{chunk.file}:{line}: not UTF-8 text ({e})") from None
+            continue
+        try:
+            obj = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PreprocessError(f"{chunk.file}:{line}: not a JSON line ({e})") from None
+        if not isinstance(obj, dict):
+            raise PreprocessError(f"{chunk.file}:{line}: a JSON line must be an object, got {type(obj).__name__}")
+        for key in keys:
+            if key not in obj:
+                raise PreprocessError(f"{chunk.file}:{line}: no key {key!r} (it has {', '.join(map(repr, obj))}); "
+                                      "choose the document field with --json-keys")
+            value = obj[key]
+            if value is None:
+                value = ""
+            if not isinstance(value, (str, list)):
+                raise PreprocessError(f"{chunk.file}:{line}: {key!r} holds a {type(value).__name__}, not text")
+            texts[key].append(value)
+    return texts
+
+
+def _encode(tokenizer: Tokenizer, strings: List[str], chunk: Chunk, key: str, values: List[Any]) -> List[List[int]]:
+    try:
+        return tokenizer.encode_batch(strings, num_threads=_STATE["num_threads"])
+    except ValueError:  # find the document to blame
+        lines = [n for n, v in zip(chunk.lines, values) if isinstance(v, str)]
+        for line, text in zip(lines, strings):
+            try:
+                tokenizer.encode(text)
+            except ValueError as e:
+                raise PreprocessError(f"{chunk.file}:{line}: {key!r}: {e}") from None
+        raise
+
+
+def encode_chunk(chunk: Chunk) -> Dict[str, Tuple[np.ndarray, np.ndarray, int]]:
+    """key -> (tokens back to back, document lengths, empty documents skipped)."""
+    tokenizer: Tokenizer = _STATE["tokenizer"]
+    keys, append_eod = _STATE["keys"], _STATE["append_eod"]
+    out = {}
+    for key, values in _texts_of(chunk, keys).items():
+        strings = [v for v in values if isinstance(v, str)]
+        encoded = iter(_encode(tokenizer, strings, chunk, key, values) if strings else [])
+        docs: List[List[int]] = []
+        for line, v in zip(chunk.lines, values):
+            if isinstance(v, str):
+                docs.append(next(encoded))
+            elif tokenizer.identity.startswith("null:") and all(type(i) is int for i in v):
+                docs.append(list(v))  # pre-tokenized ids as a JSON list
+            else:
+                raise PreprocessError(f"{chunk.file}:{line}: {key!r} holds a list; only the null tokenizer "
+                                      "takes ids, and only integers")
+        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
+        keep = lengths > 0
+        empty = int((~keep).sum())
+        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum()))
+        if flat.size and (flat.max() >= tokenizer.vocab_size or flat.min() < 0):
+            bad_pos = int(np.flatnonzero((flat >= tokenizer.vocab_size) | (flat < 0))[0])
+            doc = int(np.searchsorted(np.cumsum(lengths), bad_pos, side="right"))
+            raise PreprocessError(f"{chunk.file}:{chunk.lines[doc]}: token id {int(flat[bad_pos])} in {key!r} is "
+                                  f"outside the vocabulary of {tokenizer.vocab_size} ids")
+        lengths = lengths[keep]
+        if append_eod and lengths.size:
+            ends = np.cumsum(lengths)
+            flat = np.insert(flat, ends, tokenizer.eod)
+            lengths = lengths + 1
+        out[key] = (flat, lengths, empty)
+    return out
+
+
+# ---------------------------------------------------------------- the pipeline
+
+def output_prefix_for(output_prefix: str, key: str) -> str:
+    return f"{output_prefix}_{key}_document"
+
+
+def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: TokenizerConfig,
+               json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
+               input_format: str = "auto", text_document: str = "paragraph", chunk_mb: float = 1.0,
+               progress: Optional[bool] = None) -> PreprocessStats:
+    """Tokenize the inputs into `{output_prefix}_{key}_document.bin/.idx` for each key; return counts."""
+    files = expand_inputs(inputs)
+    keys = tuple(json_keys)
+    if not keys or len(set(keys)) != len(keys):
+        raise ValueError(f"--json-keys {list(keys)} must name at least one key, each once")
+    kinds = {input_kind(f, input_format) for f in files}
+    if "text" in kinds and len(keys) > 1:
+        raise ValueError(f"plain-text inputs hold one document stream; --json-keys {list(keys)} names several")
+    if workers < 1:
+        raise ValueError(f"--workers {workers} must be at least 1")
+    tok_cfg = dataclasses.asdict(tokenizer)
+    main_tok = build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
+    dtype = best_dtype(main_tok.vocab_size)
+    stats = PreprocessStats()
+    stats.outputs = {k: output_prefix_for(output_prefix, k) for k in keys}
+    stats.tokens = {k: 0 for k in keys}
+    stats.written = {k: 0 for k in keys}
+    stats.skipped_empty = {k: 0 for k in keys}
+    total_bytes = sum(f.stat().st_size for f in files) if not any(f.name.endswith(".gz") for f in files) else None
+    chunks = read_chunks(files, input_format=input_format, text_document=text_document,
+                         chunk_bytes=max(1, int(chunk_mb * (1 << 20))))
+    log.info("preprocess: %d file(s), %s, tokenizer %s (%d ids, %s), %d worker(s) -> %s", len(files),
+             f"{total_bytes / 1e6:.1f} MB" if total_bytes is not None else "gzipped", main_tok.identity,
+             main_tok.vocab_size, dtype, workers, ", ".join(stats.outputs.values()))
+    from tqdm import tqdm
+    bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", dynamic_ncols=True,
+               disable=(not sys.stderr.isatty()) if progress is None else not progress)
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        writers = {k: stack.enter_context(IndexedDatasetWriter(stats.outputs[k], dtype)) for k in keys}
+
+        def take(chunk_bytes: int, chunk_docs: int, result) -> None:
+            for k, (flat, lengths, empty) in result.items():
+                writers[k].add_documents(flat, lengths)
+                stats.tokens[k] += int(flat.size)
+                stats.written[k] += int(lengths.size)
+                stats.skipped_empty[k] += empty
+            stats.documents += chunk_docs
+            stats.bytes += chunk_bytes
+            bar.update(chunk_bytes)
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(docs=stats.documents, docs_s=f"{stats.documents / max(elapsed, 1e-9):.0f}",
+                            refresh=False)
+
+        init = (tok_cfg, keys, append_eod, 1)
+        if workers == 1:
+            _init_worker(*init)
+            for chunk in chunks:
+                take(chunk.nbytes, len(chunk.records), encode_chunk(chunk))
+        else:
+            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
+                                              else "spawn")
+            pool = ctx.Pool(workers, initializer=_init_worker, initargs=init + (True,))
+            stack.callback(pool.terminate)  # on error or interrupt: stop the workers, writers abort
+            pending: collections.deque = collections.deque()
+            for chunk in chunks:
+                while len(pending) >= 4 * workers:  # bounded look-ahead: memory never holds the input
+                    nbytes, ndocs, res = pending.popleft()
+                    take(nbytes, ndocs, res.get())
+                pending.append((chunk.nbytes, len(chunk.records), pool.apply_async(encode_chunk, (chunk,))))
+            while pending:
+                nbytes, ndocs, res = pending.popleft()
+                take(nbytes, ndocs, res.get())
+            pool.close()
+            pool.join()
+    bar.close()
+    stats.seconds = time.perf_counter() - start
+    for k in keys:
+        if stats.skipped_empty[k]:
+            log.warning("preprocess: skipped %d empty document(s) in %r (nothing to tokenize)",
+                        stats.skipped_empty[k], k)
+    log.info("preprocess: %d documents, %.1f MB in %.1f s: %.0f docs/s, %.2f MB/s; %s", stats.documents,
+             stats.bytes / 1e6, stats.seconds, stats.docs_per_s, stats.mb_per_s,
+             "; ".join(f"{stats.outputs[k]}: {stats.written[k]} documents, {stats.tokens[k]} tokens" for k in keys))
+    return stats
+
+
+def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
+    """Merge datasets (prefixes or glob patterns of them, in order) into output_prefix."""
+    resolved: List[str] = []
+    for p in prefixes:
+        p = os.path.expanduser(str(p))
+        for suffix in (".idx", ".bin"):
+            if p.endswith(suffix):
+                p = p[:-len(suffix)]
+        if any(ch in p for ch in "*?["):
+            matches = sorted(m[:-4] for m in globlib.glob(p + ".idx"))
+            if not matches:
+                raise FileNotFoundError(f"merge pattern {p!r} matches no .idx files")
+            resolved += matches
+        else:
+            resolved.append(p)
+    start = time.perf_counter()
+    out = merge_datasets(resolved, output_prefix)
+    log.info("merge: %d datasets -> %s (%d documents, %d tokens) in %.1f s", len(resolved), output_prefix,
+             out.num_documents, out.num_tokens, time.perf_counter() - start)
+    return out
+
+
+# ---------------------------------------------------------------- command line
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="preprocess_data", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", nargs="+", help="input files or glob patterns (JSON lines or text; .gz works)")
+    p.add_argument("--output-prefix", required=True, help="output path prefix (merge: the full output prefix)")
+    p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize, one output each")
+    p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eod id")
+    p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
+    p.add_argument("--tokenizer-type", default="sentencepiece",
+                   help=f"{' | '.join(TOKENIZER_TYPES)} (Megatron's names work too)")
+    p.add_argument("--tokenizer-model", help="sentencepiece .model, or Hugging Face tokenizer.json / its folder")
+    p.add_argument("--vocab-size", type=int, default=TokenizerConfig.vocab_size,
+                   help="null tokenizer: the id range")
+    p.add_argument("--eod-token", help="huggingface: the end-of-document token (default: found by name)")
+    p.add_argument("--add-special-tokens", action="store_true",
+                   help="huggingface: apply the tokenizer.json post-processor (e.g. Llama's <s>)")
+    p.add_argument("--input-format", default="auto", choices=("auto", "jsonl", "text"),
+                   help="auto: .jsonl/.json/.ndjson are JSON lines, anything else text")
+    p.add_argument("--text-document", default="paragraph", choices=TEXT_DOCUMENT_MODES,
+                   help="plain text: what one document is")
+    p.add_argument("--chunk-mb", type=float, default=1.0, help="raw input per unit of work")
+    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                   help="progress bar (default: when stderr is a terminal)")
+    p.add_argument("--merge", nargs="+", metavar="PREFIX",
+                   help="instead of tokenizing: merge these datasets (prefixes or globs) into --output-prefix")
+    return p
+
+
+def tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
+    kind = _MEGATRON_TOKENIZER_NAMES.get(args.tokenizer_type.lower(), args.tokenizer_type.lower())
+    if kind not in TOKENIZER_TYPES:
+        raise ValueError(f"--tokenizer-type {args.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+    if kind != "null" and not args.tokenizer_model:
+        raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model")
+    return TokenizerConfig(type=kind, model=args.tokenizer_model, vocab_size=args.vocab_size,
+                           eod_token=args.eod_token, add_special_tokens=args.add_special_tokens)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+
+    def terminate(signum, frame):  # make `kill` unwind like Ctrl-C: temporaries are removed
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        if args.merge:
+            if args.input:
+                raise ValueError("--merge and --input do not go together")
+            merge(args.merge, args.output_prefix)
+            return 0
+        if not args.input:
+            raise ValueError("give --input files (or --merge prefixes)")
+        preprocess(args.input, args.output_prefix, tokenizer=tokenizer_config(args), json_keys=args.json_keys,
+                   append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
+                   text_document=args.text_document, chunk_mb=args.chunk_mb, progress=args.progress)
+        return 0
+    except (ValueError, OSError) as e:
+        print(f"preprocess_data: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("preprocess_data: interrupted; no output was written", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

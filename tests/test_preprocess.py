@@ -1,0 +1,307 @@
+"""Preprocessing raw text into .bin/.idx, merging, tokenizers (sentencepiece, HF tokenizer.json, null)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megalm.config import DataConfig, TokenizerConfig
+from megalm.data import (HuggingFaceTokenizer, IndexedDataset, build_data, build_tokenizer, load_tokenizer,
+                         padded_vocab_size, stdlib_corpus)
+from megalm.data import preprocess as pp
+from megalm.data.train_tokenizer import train as train_tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+NASTY = ("def f(x):\n\tif x:\n\t\treturn  x   \n\n\n    # trailing   \r\n"
+         "s = 'héllo wörld ☃ 日本語 \U0001F600 \u2581 a\u2581\u2581b \u00a0\u3000 e\u0301'\n"
+         "\x00\x01\x7f\ufeff   \t \t\n")
+
+
+@pytest.fixture(scope="module")
+def texts():
+    corpus = stdlib_corpus()
+    files = [f for f in corpus.files if 500 < f[1] < 6_000][:120]
+    out = list(type(corpus)(corpus.root, files).texts())
+    out[3] = ""  # an empty document, skipped
+    out[10] = NASTY
+    out[20] = ""
+    return out
+
+
+@pytest.fixture(scope="module")
+def jsonl(texts, tmp_path_factory):
+    path = tmp_path_factory.mktemp("in") / "docs.jsonl"
+    with open(path, "w") as f:
+        for k, t in enumerate(texts):
+            f.write(json.dumps({"id": k, "text": t, "title": f"document {k}"}) + "\n")
+            if k == 5:
+                f.write("\n")  # blank lines are not documents
+    return path
+
+
+@pytest.fixture(scope="module")
+def sp_dir(jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tok")
+    train_tokenizer([str(jsonl)], str(out), vocab_size=500)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sp_cfg(sp_dir):
+    return TokenizerConfig(type="sentencepiece", model=str(sp_dir / "tokenizer.model"))
+
+
+def files_of(prefix):
+    return [Path(str(prefix) + s).read_bytes() for s in (".bin", ".idx")]
+
+
+# ---------------------------------------------------------------- preprocessing
+
+def test_round_trip_and_workers_give_identical_bytes(jsonl, texts, sp_cfg, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="megalm.data.preprocess")
+    one = pp.preprocess([str(jsonl)], str(tmp_path / "w1"), tokenizer=sp_cfg, append_eod=True, workers=1,
+                        chunk_mb=0.02)
+    two = pp.preprocess([str(jsonl)], str(tmp_path / "w2"), tokenizer=sp_cfg, append_eod=True, workers=2,
+                        chunk_mb=0.02)
+    assert files_of(tmp_path / "w1_text_document") == files_of(tmp_path / "w2_text_document")
+    assert one.documents == two.documents == len(texts) and one.bytes == two.bytes == jsonl.stat().st_size - 1
+    assert one.skipped_empty == {"text": 2} and one.written == {"text": len(texts) - 2}
+    assert "skipped 2 empty document(s) in 'text'" in caplog.text
+    assert "docs/s" in caplog.text and "MB/s" in caplog.text
+    tok = build_tokenizer(sp_cfg)
+    ds = IndexedDataset(tmp_path / "w1_text_document")
+    kept = [t for t in texts if t]
+    assert ds.num_documents == len(kept) and ds.dtype == np.uint16
+    for d, text in enumerate(kept):
+        ids = ds.get_document(d).tolist()
+        assert ids[-1] == tok.eod and tok.decode(ids[:-1]) == text
+    assert one.tokens["text"] == ds.num_tokens
+
+
+def test_several_keys_give_one_output_each(jsonl, texts, tmp_path):
+    tok_dir = tmp_path / "tok"
+    train_tokenizer([str(jsonl)], str(tok_dir), vocab_size=400, json_keys=["title"])
+    cfg = TokenizerConfig(model=str(tok_dir / "tokenizer.model"))
+    stats = pp.preprocess([str(jsonl)], str(tmp_path / "out"), json_keys=["text", "title"], tokenizer=cfg)
+    assert stats.outputs == {"text": f"{tmp_path}/out_text_document", "title": f"{tmp_path}/out_title_document"}
+    titles = IndexedDataset(tmp_path / "out_title_document")
+    tok = build_tokenizer(cfg)
+    assert [tok.decode(titles.get_document(d)) for d in range(titles.num_documents)] == \
+        [f"document {k}" for k in range(len(texts))]
+    assert IndexedDataset(tmp_path / "out_text_document").num_documents == len(texts) - 2
+
+
+@pytest.mark.parametrize("mode", ["paragraph", "line", "file"])
+def test_plain_text_documents(tmp_path, sp_cfg, mode):
+    a = tmp_path / "a.txt"
+    a.write_text("first paragraph\nstill first\n\n\nsecond ☃\n\nthird\n")
+    b = tmp_path / "b.txt"
+    b.write_text("only one line")
+    stats = pp.preprocess([str(tmp_path / "*.txt")], str(tmp_path / "t"), tokenizer=sp_cfg, text_document=mode)
+    want = {"paragraph": ["first paragraph\nstill first", "second ☃", "third", "only one line"],
+            "line": ["first paragraph", "still first", "second ☃", "third", "only one line"],
+            "file": [a.read_text(), b.read_text()]}[mode]
+    ds, tok = IndexedDataset(tmp_path / "t_text_document"), build_tokenizer(sp_cfg)
+    assert [tok.decode(ds.get_document(d)) for d in range(ds.num_documents)] == want
+    assert stats.skipped_empty["text"] == (3 if mode == "line" else 0)  # the blank lines
+
+
+def test_merge_equals_preprocessing_the_concatenation(jsonl, sp_cfg, tmp_path):
+    lines = jsonl.read_text().splitlines(keepends=True)
+    (tmp_path / "part1.jsonl").write_text("".join(lines[:50]))
+    (tmp_path / "part2.jsonl").write_text("".join(lines[50:]))
+    for k in (1, 2):
+        pp.preprocess([str(tmp_path / f"part{k}.jsonl")], str(tmp_path / f"p{k}"), tokenizer=sp_cfg, append_eod=True)
+    pp.preprocess([str(tmp_path / "part*.jsonl")], str(tmp_path / "whole"), tokenizer=sp_cfg, append_eod=True)
+    merged = pp.merge([str(tmp_path / "p*_text_document")], str(tmp_path / "merged_text_document"))
+    assert files_of(tmp_path / "merged_text_document") == files_of(tmp_path / "whole_text_document")
+    assert merged.num_documents == IndexedDataset(tmp_path / "p1_text_document").num_documents + \
+        IndexedDataset(tmp_path / "p2_text_document").num_documents
+    assert oct(os.stat(tmp_path / "merged_text_document.idx").st_mode & 0o777) != oct(0o600)
+    int32 = tmp_path / "wide"
+    from megalm.data import IndexedDatasetWriter
+    with IndexedDatasetWriter(int32, np.int32) as w:
+        w.add_document([1, 2])
+    with pytest.raises(ValueError, match=r"different token dtypes: .*p1_text_document \(uint16\), .*wide \(int32\)"):
+        pp.merge([str(tmp_path / "p1_text_document"), str(int32)], str(tmp_path / "bad"))
+    assert not (tmp_path / "bad.idx").exists()
+
+
+def test_bad_input_names_the_file_and_line(tmp_path, sp_cfg):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": "fine too"}\n{"text": oops}\n')
+    with pytest.raises(pp.PreprocessError, match=r"bad\.jsonl:3: not a JSON line"):
+        pp.preprocess([str(bad)], str(tmp_path / "o"), tokenizer=sp_cfg)
+    bad.write_text('{"text": "fine"}\n{"body": "x"}\n')
+    with pytest.raises(pp.PreprocessError, match=r"bad\.jsonl:2: no key 'text' \(it has 'body'\)"):
+        pp.preprocess([str(bad)], str(tmp_path / "o"), tokenizer=sp_cfg)
+    bad.write_text('{"text": "1 2 3"}\n{"text": "4 70000 5"}\n')
+    with pytest.raises(pp.PreprocessError, match=r"bad\.jsonl:2: token id 70000 in 'text' is outside the "
+                                                 r"vocabulary of 1000 ids"):
+        pp.preprocess([str(bad)], str(tmp_path / "o"), tokenizer=TokenizerConfig(type="null", vocab_size=1000))
+    bad.write_text('{"text": "1 2 3"}\n{"text": "4 five"}\n')
+    with pytest.raises(pp.PreprocessError, match=r"bad\.jsonl:2: 'text': the null tokenizer reads space-separated"):
+        pp.preprocess([str(bad)], str(tmp_path / "o"), tokenizer=TokenizerConfig(type="null", vocab_size=1000),
+                      workers=2)
+    with pytest.raises(FileNotFoundError, match="matches no files"):
+        pp.preprocess([str(tmp_path / "nothing*.jsonl")], str(tmp_path / "o"), tokenizer=sp_cfg)
+    with pytest.raises(FileNotFoundError, match=r"missing\.jsonl does not exist"):
+        pp.preprocess([str(tmp_path / "missing.jsonl")], str(tmp_path / "o"), tokenizer=sp_cfg)
+    # nothing was left behind, not even temporaries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_interrupted_preprocessing_leaves_nothing(jsonl, sp_cfg, tmp_path, monkeypatch):
+    real, calls = pp.encode_chunk, []
+
+    def dying(chunk):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt("Ctrl-C")
+        return real(chunk)
+
+    monkeypatch.setattr(pp, "encode_chunk", dying)
+    with pytest.raises(KeyboardInterrupt):
+        pp.preprocess([str(jsonl)], str(tmp_path / "o"), tokenizer=sp_cfg, chunk_mb=0.02)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_killed_cli_leaves_no_complete_looking_output(tmp_path, sp_dir):
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"text": ("def spam(eggs):\n    return eggs * 2  # ham\n" * 40)}) + "\n"
+    big.write_text(line * 20000)  # ~35 MB: many seconds of work; it is stopped long before the end
+    out = tmp_path / "out"
+    out.mkdir()
+    proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), "--input", str(big),
+                             "--output-prefix", str(out / "c"), "--tokenizer-model", str(sp_dir / "tokenizer.model"),
+                             "--workers", "2", "--chunk-mb", "0.1"], stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(out.glob(".c_text_document.bin.*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted; no output was written" in err
+    assert list(out.iterdir()) == []
+    with pytest.raises(FileNotFoundError):
+        IndexedDataset(out / "c_text_document")
+
+
+def test_cli_entry_points_agree(jsonl, tmp_path):
+    tok = tmp_path / "tok"
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "train_tokenizer.py"), "--input", str(jsonl),
+                        "--vocab-size", "450", "--output", str(tok)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(r.stdout)["vocab_size"] == 450 and (tok / "tokenizer.model").is_file()
+    common = ["--input", str(jsonl), "--json-keys", "text", "--append-eod", "--tokenizer-type",
+              "SentencePieceTokenizer", "--tokenizer-model", str(tok / "tokenizer.model")]
+    a = subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), *common, "--output-prefix",
+                        str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    b = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", *common, "--workers", "2",
+                        "--output-prefix", str(tmp_path / "b")], capture_output=True, text=True, timeout=120)
+    assert a.returncode == 0 and b.returncode == 0, a.stderr[-2000:] + b.stderr[-2000:]
+    assert files_of(tmp_path / "a_text_document") == files_of(tmp_path / "b_text_document")
+    m = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", "--merge", str(tmp_path / "a_text_document"),
+                        str(tmp_path / "b_text_document"), "--output-prefix", str(tmp_path / "ab")],
+                       capture_output=True, text=True, timeout=120)
+    assert m.returncode == 0, m.stderr[-2000:]
+    assert IndexedDataset(tmp_path / "ab").num_documents == 2 * IndexedDataset(tmp_path / "a_text_document").num_documents
+    e = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", "--input", str(tmp_path / "none.jsonl"),
+                        "--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "null"],
+                       capture_output=True, text=True, timeout=120)
+    assert e.returncode == 2 and "none.jsonl does not exist" in e.stderr
+
+
+# ---------------------------------------------------------------- tokenizers
+
+def test_padded_vocab_size_is_megatrons():
+    assert padded_vocab_size(50257, 128, 1) == 50304
+    assert padded_vocab_size(50257, 128, 8) == 51200
+    assert padded_vocab_size(32000, 128, 1) == 32000
+    assert padded_vocab_size(32001, 128, 2) == 32256
+    with pytest.raises(ValueError):
+        padded_vocab_size(100, 0, 1)
+
+
+def gpt2_style_json(texts, vocab_size=500) -> str:
+    """A GPT-2 byte-level BPE tokenizer.json, trained here with the tokenizers trainer."""
+    from megalm.data.train_tokenizer import train_bytelevel_bpe
+    return train_bytelevel_bpe(iter(texts), vocab_size)
+
+
+def llama_style_json(texts, vocab_size=600) -> str:
+    """A Llama-2-style tokenizer.json: BPE with byte fallback, '▁' for spaces, <s> prepended."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    base = Tokenizer(models.BPE(unk_token="<unk>"))
+    base.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"],
+                                  show_progress=False)
+    base.train_from_iterator([line for t in texts for line in t.split("\n")], trainer)
+    spec = json.loads(base.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece, _ in sorted(spec["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(piece, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in spec["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.normalizer = base.normalizer
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return tok.to_str()
+
+
+def test_hf_gpt2_tokenizer_json_round_trip(texts, tmp_path):
+    path = tmp_path / "gpt2" / "tokenizer.json"
+    path.parent.mkdir()
+    path.write_text(gpt2_style_json(texts))
+    tok = build_tokenizer(TokenizerConfig(type="huggingface", model=str(path)))
+    assert isinstance(tok, HuggingFaceTokenizer) and tok.eod_token == "<|endoftext|>" and tok.vocab_size == 500
+    for text in [NASTY, "", " leading", "\u2581", "x<|endoftext|>y"] + texts[:20]:
+        ids = tok.encode(text)
+        assert tok.decode(ids) == text and all(0 <= i < tok.vocab_size for i in ids)
+    assert tok.encode_batch(texts[:10]) == tok.encode_batch(texts[:10], num_threads=1) == \
+        [tok.encode(t) for t in texts[:10]]
+    back = load_tokenizer(tok.save_to(tmp_path / "saved"))
+    assert (back.identity, back.eod, back.vocab_size) == (tok.identity, tok.eod, tok.vocab_size)
+    assert load_tokenizer(path.parent).identity == tok.identity  # a bare tokenizer.json folder loads too
+    with pytest.raises(ValueError, match=r"'<eot>' is not in its vocabulary"):
+        HuggingFaceTokenizer(path, eod_token="<eot>")
+
+
+def test_hf_llama_tokenizer_json(texts, tmp_path):
+    path = tmp_path / "llama.json"
+    path.write_text(llama_style_json(texts))
+    plain = HuggingFaceTokenizer(path)
+    assert plain.eod_token == "</s>" and plain.eod == 2
+    for text in ["Hello world\n  indented ☃ 日本", " lead", "", "tabs\tand\r\nnewlines"] + texts[:10]:
+        assert plain.decode(plain.encode(text)) == text
+    with_bos = HuggingFaceTokenizer(path, add_special_tokens=True)
+    ids = with_bos.encode("hi there")
+    assert ids[0] == 1 and ids[1:] == plain.encode("hi there") and with_bos.identity != plain.identity
+
+
+def test_preprocess_and_train_with_a_hf_tokenizer(jsonl, texts, tmp_path):
+    tok_dir = tmp_path / "hf"
+    from megalm.data.train_tokenizer import train
+    tok = train([str(jsonl)], str(tok_dir), vocab_size=700, kind="bytelevel-bpe")
+    cfg = TokenizerConfig(type="huggingface", model=str(tok_dir))
+    pp.preprocess([str(jsonl)], str(tmp_path / "hf"), tokenizer=cfg, append_eod=True, workers=2, chunk_mb=0.05)
+    ds = IndexedDataset(tmp_path / "hf_text_document")
+    kept = [t for t in texts if t]
+    assert [tok.decode(ds.get_document(d)[:-1]) for d in range(ds.num_documents)] == kept
+    data = build_data(DataConfig(source="indexed", paths=[str(tmp_path / "hf_text_document")], split="90,10,0",
+                                 cache_dir=str(tmp_path / "cache"), tokenizer=cfg), seq_length=64, seed=1,
+                      num_samples={"train": 200, "valid": 10})
+    assert data.tokenizer.identity == tok.identity and len(data.train) >= 200
+    assert data.train[0].shape == (65,) and data.train[199].max() < tok.vocab_size
