@@ -120,3 +120,17 @@ def test_flops_gpt3_175b_matches_paper_scale():
     n_blocks = 96 * 12 * 12288 ** 2
     assert abs(matmul_params(cfg) - n_blocks) / n_blocks < 0.01
     assert 1.0e12 < flops_per_token(cfg) < 1.2e12
+
+
+def test_ignored_labels_take_no_part_in_the_loss(tiny_model_cfg):
+    from megalm.models.gpt import IGNORE
+    m = make(tiny_model_cfg)
+    x = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
+    y = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
+    logits = m(x)
+    per_token = m.loss.per_token(logits, y)
+    y_masked = y.clone()
+    y_masked[0, :3] = IGNORE
+    keep = torch.ones_like(y, dtype=torch.bool)
+    keep[0, :3] = False
+    torch.testing.assert_close(m.loss(logits, y_masked), per_token[keep].mean())

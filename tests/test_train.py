@@ -89,13 +89,14 @@ def test_task_function_returns_final_val_loss(tmp_path):
 
 
 def test_resume_matches_uninterrupted_run(tmp_path):
-    common = [*TINY, "model.dropout=0.1", "optimizer.decay_steps=8", "trainer.eval_interval=0"]
+    common = [*TINY, "model.dropout=0.1", "trainer.eval_interval=0", "trainer.max_steps=8"]
     straight = tmp_path / "straight"
-    run(load(*common, "trainer.max_steps=8"), straight)
+    run(load(*common), straight)
     split = tmp_path / "split"
-    run(load(*common, "trainer.max_steps=4"), split)
+    run(load(*common, "trainer.exit_interval=4"), split)  # saves at step 4 and stops there
     assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-    run(load(*common, "trainer.max_steps=8"), split)  # same run dir: auto-resumes from step 4
+    assert max(r["step"] for r in records(split) if "loss" in r) == 4
+    run(load(*common), split)  # same run dir: auto-resumes from step 4
     a = {r["step"]: r["loss"] for r in records(straight) if "loss" in r}
     b = {r["step"]: r["loss"] for r in records(split) if "loss" in r}
     assert sorted(b) == list(range(1, 9))
@@ -146,3 +147,12 @@ def test_bad_layout_fails_before_allocating(tmp_path):
     assert r.returncode != 0
     assert "128 ranks" in r.stderr and "torchrun" in r.stderr
     assert not (tmp_path / "r" / "config.yaml").exists()
+
+
+def test_eod_mask_loss_ignores_the_token_after_each_document(tmp_path):
+    stdlib = ["data=stdlib", "data.max_corpus_mb=0.3", "data.split='80,20,0'", "data.tokenizer.vocab_size=512",
+              "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=1",
+              "trainer.eval_steps=200"]  # all the validation documents, so several of them end in view
+    plain = run(load(*TINY, *stdlib), tmp_path / "plain")
+    masked = run(load(*TINY, *stdlib, "data.eod_mask_loss=true"), tmp_path / "masked")
+    assert math.isfinite(masked) and masked != plain

@@ -138,7 +138,9 @@ class OptimizerConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = 1000
-    """Optimizer steps to train."""
+    """Optimizer steps to train; the LR schedule and the data order are planned for this many."""
+    exit_interval: Optional[int] = None
+    """Save a checkpoint and stop when the step is a multiple of this (a later start resumes); None = never."""
     micro_batch_size: int = 8
     """Samples per forward/backward on each data-parallel rank."""
     global_batch_size: int = 8
@@ -302,7 +304,7 @@ CHOICES = {
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "data.source": ("stdlib", "mock", "indexed"),
-    "data.tokenizer.type": ("sentencepiece", "null"),
+    "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "cluster.backend": ("auto", "nccl", "gloo"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
@@ -420,8 +422,14 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         raise ValueError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
                          f"(got {p.recompute}) and a value of at least 1")
-    if cfg.data.source == "indexed" and not cfg.data.paths:
-        raise ValueError("data.source=indexed needs data.paths: a list of .bin/.idx prefixes")
+    if cfg.data.source == "indexed":
+        if not cfg.data.paths and not cfg.data.blend:
+            raise ValueError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
+                             "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
+        from megalm.data.loader import blend_spec
+        blend_spec(cfg.data)  # weights and form checked here, before anything is built
+    if t.exit_interval is not None and t.exit_interval < 1:
+        raise ValueError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)
 
 

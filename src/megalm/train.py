@@ -51,7 +51,7 @@ def setup_rank_logging(rank: int, run_dir: Path) -> None:
 
 def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     """Train on this rank; return the final validation loss (None when evaluation is off)."""
-    from megalm.data import build_data
+    from megalm.data import build_data, num_samples_for
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, flops_per_token, init_weights
     from megalm.parallel import materialize, parallelize
@@ -73,7 +73,8 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     mesh = build_mesh(dims, device.type)
-    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed)
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed,
+                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
     if data.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {data.tokenizer.vocab_size}")

@@ -60,6 +60,9 @@ class GPT(nn.Module):
         return self.loss(logits, labels, loss_mask)
 
 
+IGNORE = -100  # a label that takes no part in the loss (e.g. after an end-of-document token)
+
+
 class LMLoss(nn.Module):
     """Mean next-token cross-entropy over the tokens the mask keeps, in fp32.
 
@@ -77,11 +80,11 @@ class LMLoss(nn.Module):
         if logits.shape[-1] > self.vocab_size:
             logits = logits.masked_fill(
                 torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size, float("-inf"))
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none",
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none", ignore_index=IGNORE,
                                label_smoothing=self.label_smoothing).view(labels.shape)
 
     def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
-        return masked_mean(self.per_token(logits, labels), loss_mask)
+        return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
 
 
 def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:

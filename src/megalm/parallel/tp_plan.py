@@ -21,7 +21,7 @@ from __future__ import annotations
 from torch import nn
 
 from megalm.distributed.comm import scatter_seq
-from megalm.models.gpt import GPT, masked_mean
+from megalm.models.gpt import GPT, IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
 from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)
@@ -50,8 +50,9 @@ class VocabParallelLMLoss(nn.Module):
 
     def forward(self, logits, labels, loss_mask=None):
         losses = vocab_parallel_cross_entropy(logits, labels, self.group, vocab_start=self.vocab_start,
-                                              vocab_size=self.vocab_size, label_smoothing=self.label_smoothing)
-        return masked_mean(losses, loss_mask)
+                                              vocab_size=self.vocab_size, label_smoothing=self.label_smoothing,
+                                              ignore_index=IGNORE)
+        return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
 
 
 def _mark_sequence_parallel(module: nn.Module) -> None:

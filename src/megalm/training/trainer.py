@@ -14,6 +14,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from megalm.config import TrainerConfig
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
+from megalm.models.gpt import IGNORE
 from megalm.parallel.grads import clip_grads, finalize_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
@@ -74,7 +75,7 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
     def train_step(self) -> Dict[str, float]:
         self.model.train()
-        micro_batches = self.loader.next_batch()
+        micro_batches = [self._with_mask(mb) for mb in self.loader.next_batch()]
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
@@ -82,14 +83,15 @@ class Trainer:
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
-            batch = torch.cat(micro_batches).to(self.device)
+            tokens = torch.cat([x for x, _ in micro_batches]).to(self.device)
+            labels = torch.cat([y for _, y in micro_batches]).to(self.device)
             with self._autocast():
-                total = self.pipeline.step(batch[:, :-1], batch[:, 1:])
+                total = self.pipeline.step(tokens, labels)
         else:
-            for mb in micro_batches:
-                mb = mb.to(self.device, non_blocking=True)
+            for x, y in micro_batches:
+                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
                 with self._autocast():
-                    loss = self.model(mb[:, :-1], mb[:, 1:]) / len(micro_batches)
+                    loss = self.model(x, y) / len(micro_batches)
                 (loss * scale if scale != 1.0 else loss).backward()
                 total += loss.detach()
         finalize_grads(self.model, self.mesh)
@@ -110,11 +112,19 @@ class Trainer:
                 log.warning("step %d: gradient norm is %s; skipping the update", self.step + 1, norm.item())
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.throughput.add(self.cfg.global_batch_size * (micro_batches[0].shape[1] - 1))  # seq tokens a sample
+        self.throughput.add(self.cfg.global_batch_size * micro_batches[0][0].shape[1])  # seq tokens a sample
         out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
         return out
+
+    def _with_mask(self, mb: torch.Tensor):
+        """(inputs, labels) of a (mbs, seq + 1) micro-batch; labels after an eod are ignored with eod_mask_loss."""
+        x, y = mb[:, :-1], mb[:, 1:]
+        mask = self.data.loss_mask(mb) if hasattr(self.data, "loss_mask") else None
+        if mask is not None:
+            y = y.masked_fill(mask == 0, IGNORE)
+        return x, y
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -126,16 +136,16 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
         losses = []
         for _ in range(self.cfg.eval_steps):
-            micro_batches = loader.next_batch()
+            micro_batches = [self._with_mask(mb) for mb in loader.next_batch()]
             if self.pipeline is not None:
-                batch = torch.cat(micro_batches).to(self.device)
+                tokens = torch.cat([x for x, _ in micro_batches]).to(self.device)
+                labels = torch.cat([y for _, y in micro_batches]).to(self.device)
                 with self._autocast():
-                    losses.append(self.pipeline.step(batch[:, :-1], batch[:, 1:], train=False))
+                    losses.append(self.pipeline.step(tokens, labels, train=False))
                 continue
-            for mb in micro_batches:
-                mb = mb.to(self.device)
+            for x, y in micro_batches:
                 with self._autocast():
-                    losses.append(self.model(mb[:, :-1], mb[:, 1:]).float())
+                    losses.append(self.model(x.to(self.device), y.to(self.device)).float())
         return mean_over(torch.stack(losses).mean(), self.dp_group).item()
 
     def _eval_and_log(self, bar) -> None:
@@ -177,9 +187,14 @@ class Trainer:
                                  out["loss"], out["lr"], out["tokens_per_s"])
                 if last or (c.eval_interval > 0 and self.step % c.eval_interval == 0):
                     self._eval_and_log(bar)
-                if self.checkpointer.due(self.step, last):
+                exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
+                if self.checkpointer.due(self.step, last or exiting):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.state())
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
+                if exiting:
+                    log.info("step %d: trainer.exit_interval=%d reached; stopping (start again to resume)",
+                             self.step, c.exit_interval)
+                    break
         bar.close()
         self.metrics.close()
         return self.val_loss
