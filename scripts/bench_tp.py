@@ -27,7 +27,7 @@ def build(cfg, mesh):
     from megalm.models import build_model, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.optim import build_optimizer
-    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    model = materialize(parallelize(build_model(cfg.model, "meta", tp=cfg.parallel.tp), mesh, cfg.parallel), "cpu")
     init_weights(model, cfg.model, 0)
     return model, build_optimizer(cfg.optimizer, model)
 

@@ -45,6 +45,12 @@ def test_there_are_presets_for_every_group():
         assert must <= set(group_files(group))
 
 
+def test_vocabulary_padding_follows_megatron():
+    m = load(BIG).model
+    assert (m.vocab_size, m.padded_vocab(1), m.padded_vocab(8)) == (50257, 50304, 51200)
+    assert m.padded_vocab_size == 50304
+
+
 def test_gpt3_175b_matches_the_paper():
     m = load(BIG).model
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.seq_length) == (96, 12288, 96, 2048)
@@ -77,8 +83,6 @@ BAD = [
     (["model.dropout=1.5"], 1, "model.dropout=1.5 must be in [0, 1)"),
     (["parallel=tp2", "model=gpt_tiny", "model.ffn_hidden_size=33"], 2,
      "model.ffn_size=33 is not divisible by parallel.tp=2"),
-    (["parallel=tp2", "model=gpt_tiny", "model.make_vocab_size_divisible_by=1", "model.vocab_size=255"], 2,
-     "model.padded_vocab_size=255 is not divisible by parallel.tp=2"),
     (["parallel=tp2", "parallel.sequence_parallel=true", "model=gpt_tiny", "model.seq_length=33"], 2,
      "splits model.seq_length=33 over parallel.tp=2"),
     (["parallel=tp4", "model=gpt_tiny", "cluster=slurm_h100", "cluster.devices_per_node=2"], 4,

@@ -25,7 +25,7 @@ BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batc
 # Llama style (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head).
 GPT2 = ["model.dropout=0.0"]
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
-         "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2", "model.vocab_size=250"]
+         "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2", "model.vocab_size=200"]  # padded to 200 / 208 / 224 at tp 1 / 2 / 4
 
 
 def load(*overrides):
@@ -112,7 +112,7 @@ def _comm_volume(rank, world, sequence_parallel):
     from megalm.parallel.grads import clip_grads, finalize_grads
     cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    model = materialize(parallelize(build_model(cfg.model, "meta", tp=world), mesh, cfg.parallel), "cpu")
     init_weights(model, cfg.model, 0)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
     with count_comm() as fwd:

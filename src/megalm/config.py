@@ -79,7 +79,13 @@ class ModelConfig:
 
     @property
     def padded_vocab_size(self) -> int:
-        m = self.make_vocab_size_divisible_by
+        """Embedding rows in one process; see padded_vocab."""
+        return self.padded_vocab(1)
+
+    def padded_vocab(self, tp: int) -> int:
+        """Embedding rows at tensor-parallel degree tp: a multiple of make_vocab_size_divisible_by x tp
+        (Megatron's rule, so every shard is the same size). Checkpoints keep only the real rows."""
+        m = self.make_vocab_size_divisible_by * tp
         return m * math.ceil(self.vocab_size / m)
 
 
@@ -382,7 +388,7 @@ def validate(cfg: Config, world_size: int) -> None:
     dims = parallel_dims(p, world_size)  # raises on a layout that does not fit the world
     for key, degree in (("model.num_attention_heads", m.num_attention_heads),
                         ("model.num_query_groups", m.kv_heads),  # hidden = heads x head_dim follows
-                        ("model.ffn_size", m.ffn_size), ("model.padded_vocab_size", m.padded_vocab_size)):
+                        ("model.ffn_size", m.ffn_size)):
         if degree % p.tp:
             raise ValueError(f"{key}={degree} is not divisible by parallel.tp={p.tp}")
     c = cfg.cluster

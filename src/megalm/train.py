@@ -81,7 +81,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     if rank == 0:
         data.tokenizer.save_to(run_dir)
 
-    model = build_model(cfg.model, device="meta")
+    model = build_model(cfg.model, device="meta", tp=dims.tp)
     model = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)

@@ -18,12 +18,18 @@ from megalm.config import ModelConfig
 from megalm.models.layers import Block, Embedding, KVCache, build_norm, output_init_std, rope_tables
 
 
+VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary
+
+
 class GPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: int = 1):
         super().__init__()
         self.cfg = cfg
-        V, h = cfg.padded_vocab_size, cfg.hidden_size
-        self.embed: Optional[Embedding] = Embedding(cfg)
+        # Padded for the tensor-parallel degree the model will be split at (Megatron's rule);
+        # the padding is masked in the loss and never sampled, so results do not depend on it.
+        self.padded_vocab = V = cfg.padded_vocab(tp)
+        h = cfg.hidden_size
+        self.embed: Optional[Embedding] = Embedding(cfg, V)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[nn.Module] = build_norm(cfg)
         self.head: Optional[nn.Linear] = nn.Linear(h, V, bias=False)
@@ -131,15 +137,19 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             # The last pipeline stage's copy of a tied embedding draws as the embedding does.
             key = getattr(p, "tied_copy_of", name)
             g = torch.Generator(device="cpu").manual_seed(_name_seed(seed, key))
-            full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
+            if key in VOCAB_PARAMS:  # draw the real rows only; padding rows (which vary with tp) are 0
+                full = torch.zeros(shape, dtype=torch.float32)
+                full[:cfg.vocab_size].normal_(0.0, std, generator=g)
+            else:
+                full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
             p.copy_(shard.local(full) if shard is not None else full)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> GPT:
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", tp: int = 1) -> GPT:
     """The plain single-device model, its parameters allocated on `device` but not yet initialised.
 
     Pass device="meta" to build a model that takes no memory (for planning and for parallelize
     to shard before allocating).
     """
     with torch.device(device):
-        return GPT(cfg)
+        return GPT(cfg, tp)

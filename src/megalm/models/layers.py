@@ -137,9 +137,9 @@ class MLP(nn.Module):
 class Embedding(nn.Module):
     """Token embedding, plus learned positions when the model has them, then dropout."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, padded_vocab: int):
         super().__init__()
-        self.tok = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.tok = nn.Embedding(padded_vocab, cfg.hidden_size)
         self.pos = nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 

@@ -78,11 +78,11 @@ def apply_tensor_parallel(model: GPT, group, *, sequence_parallel: bool, seed: i
         if sp and emb.pos is None:
             # No position table to add after the lookup: reduce-scatter the partial sums straight
             # into sequence shards (half the bytes of an all-reduce) and drop out on the shard.
-            emb.tok = VocabParallelEmbedding(cfg.padded_vocab_size, h, group=group, reduce="reduce_scatter",
+            emb.tok = VocabParallelEmbedding(model.padded_vocab, h, group=group, reduce="reduce_scatter",
                                              device=device)
             emb.drop = ForkRNG(emb.drop, rng, "tp")
         else:
-            emb.tok = VocabParallelEmbedding(cfg.padded_vocab_size, h, group=group, reduce="all_reduce",
+            emb.tok = VocabParallelEmbedding(model.padded_vocab, h, group=group, reduce="all_reduce",
                                              device=device)
             if sp:  # positions and dropout on the full (replicated) sequence, then keep this rank's part
                 emb.register_forward_hook(lambda module, args, out: scatter_seq(out, group))
@@ -106,6 +106,6 @@ def apply_tensor_parallel(model: GPT, group, *, sequence_parallel: bool, seed: i
     if model.norm is not None and sp:
         _mark_sequence_parallel(model.norm)
     if model.head is not None:
-        model.head = ColumnParallelLinear(h, cfg.padded_vocab_size, bias=False, **dense)
+        model.head = ColumnParallelLinear(h, model.padded_vocab, bias=False, **dense)
         model.loss = VocabParallelLMLoss(group, model.head.out_features * rank, cfg.vocab_size)
     model.tie_weights()

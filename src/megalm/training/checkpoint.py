@@ -7,8 +7,9 @@ checkpoint at another parallel layout. Layout on disk:
     <dir>/latest                name of the newest complete step folder, written last
 
 Tensor-parallel shards are saved as the full tensor of their global name (gathered over the tp
-group at save time, sliced again at load time), so a checkpoint holds the same keys and shapes
-whatever tp it was written at. This costs one all-gather per sharded tensor per save; the
+group at save time, sliced again at load time), and the vocabulary matrices keep only the real
+rows (their padding depends on tp), so a checkpoint holds the same keys and shapes whatever
+layout it was written at. This costs one all-gather per sharded tensor per save; the
 checkpoint issue replaces it with sharded DTensor writes.
 
 A step folder is written under a temporary name and renamed into place only when complete,
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions, get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict)
 
 from megalm.config import CheckpointConfig
+from megalm.models.gpt import VOCAB_PARAMS
 
 log = logging.getLogger("megalm.checkpoint")
 # Optimizer state keyed per parameter ("state.<name>.exp_avg"), so pipeline stages, which hold
@@ -91,34 +93,45 @@ def _optim_keys(optim_sd, name: str):
             if k.startswith(prefix) and "." not in k[len(prefix):] and torch.is_tensor(v) and v.dim() > 0]
 
 
-def _to_full(model_sd, optim_sd, shards, group) -> None:
-    """Replace shards by full tensors (model and flattened optimizer state dicts)."""
-    for name, spec in shards.items():
-        if name in model_sd:
-            model_sd[name] = _gather_full(model_sd[name], spec, group)
-        for key in _optim_keys(optim_sd, name):
-            optim_sd[key] = _gather_full(optim_sd[key], spec, group)
-
-
-def _full_templates(model_sd, optim_sd, shards) -> Dict[tuple, Any]:
-    """Swap shards for full-shaped buffers for DCP to load into; remember how to slice them back."""
-    specs = {}
-    for name, spec in shards.items():
-        for sd, keys in ((model_sd, [name] if name in model_sd else []), (optim_sd, _optim_keys(optim_sd, name))):
-            for key in keys:
-                specs[(id(sd), key)] = spec
-                sd[key] = torch.empty(spec.full_shape(sd[key].shape), dtype=sd[key].dtype)
-    return specs
-
-
-def _to_local(model_sd, optim_sd, specs) -> None:
-    for sd in (model_sd, optim_sd):
-        if sd is None:
+def _entries(model: torch.nn.Module, model_sd, optim_sd):
+    """(state dict, key, TPShard or None, real vocabulary rows or None) for every tensor that
+    is stored differently from how this rank holds it."""
+    shards = _shards(model)
+    vocab = getattr(getattr(model, "cfg", None), "vocab_size", None)
+    for name in list(model_sd.keys()):
+        spec = shards.get(name)
+        rows = vocab if name in VOCAB_PARAMS else None
+        if spec is None and rows is None:
             continue
-        for key in list(sd.keys()):
-            spec = specs.get((id(sd), key))
-            if spec is not None:
-                sd[key] = spec.local(sd[key]).contiguous()
+        yield model_sd, name, spec, rows
+        for key in _optim_keys(optim_sd, name):
+            yield optim_sd, key, spec, rows
+
+
+def _to_canonical(model, model_sd, optim_sd, group) -> None:
+    """In place: shards → full tensors, padded vocabulary → the real rows (the same at any tp)."""
+    for sd, key, spec, rows in list(_entries(model, model_sd, optim_sd)):
+        t = _gather_full(sd[key], spec, group) if spec is not None else sd[key]
+        sd[key] = t[:rows] if rows is not None else t
+
+
+def _canonical_templates(model, model_sd, optim_sd) -> list:
+    """In place: buffers of the stored shape for DCP to load into; returns how to convert back."""
+    back = []
+    for sd, key, spec, rows in list(_entries(model, model_sd, optim_sd)):
+        full = spec.full_shape(sd[key].shape) if spec is not None else tuple(sd[key].shape)
+        stored = (rows,) + tuple(full[1:]) if rows is not None else full
+        back.append((sd, key, spec, full))
+        sd[key] = torch.empty(stored, dtype=sd[key].dtype)
+    return back
+
+
+def _from_canonical(back: list) -> None:
+    for sd, key, spec, full in back:
+        t = sd[key]
+        if t.shape[0] < full[0]:  # padding rows for this tp: zeros (never looked up, masked in the loss)
+            t = torch.cat([t, t.new_zeros((full[0] - t.shape[0],) + tuple(t.shape[1:]))])
+        sd[key] = spec.local(t).contiguous() if spec is not None else t
 
 
 class Checkpointer:
@@ -147,7 +160,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-        _to_full(model_sd, optim_sd, _shards(model), self.tp_group)
+        _to_canonical(model, model_sd, optim_sd, self.tp_group)
         state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
         _quiet(dcp.save, state, checkpoint_id=str(tmp))
         if _is_rank0():
@@ -173,19 +186,18 @@ class Checkpointer:
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Dict[str, Any]:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
         path = resolve(path)
-        shards = _shards(model)
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
-            locals_ = _full_templates(state["model"], None, shards)
+            back = _canonical_templates(model, state["model"], None)
             _quiet(dcp.load, state, checkpoint_id=str(path))
-            _to_local(state["model"], None, locals_)
+            _from_canonical(back)
             set_model_state_dict(model, state["model"])
         else:
             model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
-            locals_ = _full_templates(model_sd, optim_sd, shards)
+            back = _canonical_templates(model, model_sd, optim_sd)
             state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
             _quiet(dcp.load, state, checkpoint_id=str(path))
-            _to_local(state["model"], state["optim"], locals_)
+            _from_canonical(back)
             set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=OPTIONS)
             set_rng_state(state["rng"])

@@ -1,0 +1,455 @@
+"""Pipeline bubble on CPU: every megalm schedule at pp = 2, measured against the stage work alone.
+
+    python scripts/bench_pp.py [--layers 8] [--micro-batch 4] [--m 4 8] [--rounds 3] [--steps 2]
+    python scripts/bench_pp.py --quick --json out.json      # tiny shape, one round (the smoke test)
+
+Starts `pp` gloo ranks, one core each, and builds on every rank one model per schedule with
+megalm's own functions (build_model on meta → parallelize → materialize → init_weights →
+build_pipeline), shaped like conf/model/gpt_cpu.yaml but with --layers layers (8 by default, so
+every schedule's stage count divides it), fp32, AdamW, random tokens. For each schedule and
+each m (micro-batches per step) it measures per rank:
+
+- wall: the time of `Pipeline.step` (from a barrier to the loss broadcast that ends it, so every
+  rank's wall covers the same interval) and of the full training step (+ tied-embedding
+  gradient sum, clipping, AdamW), which gives tokens/s;
+- busy: the same rank's StageView(s) forward + backward for m micro-batches back to back,
+  locally, without the pipeline (random input activations that require grad, the loss on the
+  last stage, a random output gradient on the others); both ranks do it at the same time, so
+  they share the machine as in the pipeline;
+- idle share = 1 - busy / wall (the bubble as a share of the pipeline step), against the theory
+  for equal stages (p - 1) / (m v + p - 1) and against the same model fed with the measured busy
+  times (ideal step = max busy + the other ranks' busy / (m v): the last stage's head and loss
+  make stages unequal); and idle / busy = (wall - busy) / busy against Megatron's bubble
+  fraction (p - 1) / (m v), the bubble time over the ideal compute time (arXiv:2104.04473);
+- compute inside the schedule (time in the stages' forward / backward / weight-gradient calls
+  and the loss), which splits the idle time into waiting and schedule overhead;
+- the bytes every stage sends across a rank boundary per micro-batch (the activation forward,
+  its gradient backward), checked against micro_batch x seq x hidden x 4 bytes (fp32).
+
+Each round also times the single-process model (rank 0 alone, all cores) at the largest m.
+Rounds run the (schedule, m) cells forward and backward in turn, so drift on a noisy machine
+hits all of them alike; the tables report medians over rounds of per-round values (a warm-up
+round of one step per cell comes first and is not counted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue as queue_mod
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
+QUICK = dict(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, m=[4], rounds=1, steps=1,
+             busy_repeats=3)
+
+
+def compose_cfg(args, parallel):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from megalm.config import conf_dir
+    over = [f"model={args.model}", f"model.num_layers={args.layers}"]
+    for key, val in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
+                     ("seq_length", args.seq), ("vocab_size", args.vocab)):
+        if val is not None:
+            over.append(f"model.{key}={val}")
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return OmegaConf.to_object(compose("config", overrides=over + parallel))
+
+
+def count_sends(stage, counts: Counter) -> None:
+    """Record (direction, stage, shape, dtype, bytes) of every tensor the stage sends to a peer."""
+    for kind in ("fwd", "bwd"):
+        orig = getattr(stage, f"get_{kind}_send_ops")
+
+        def wrapped(chunk_id, orig=orig, kind=kind):
+            ops = orig(chunk_id)
+            for op in ops:
+                t = op.tensor
+                counts[(kind, stage.stage_index, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                        t.nelement() * t.element_size())] += 1
+            return ops
+        setattr(stage, f"get_{kind}_send_ops", wrapped)
+
+
+def time_compute(pipe, clock: list) -> None:
+    """Add the seconds spent in each stage's compute calls (and the loss) to clock[0]."""
+    def timed(fn):
+        def inner(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                clock[0] += time.perf_counter() - t0
+        return inner
+    for stage in pipe.stages:
+        for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            setattr(stage, name, timed(getattr(stage, name)))
+    if hasattr(pipe.schedule, "_compute_loss"):  # the last stage's loss forward runs in the schedule
+        pipe.schedule._compute_loss = timed(pipe.schedule._compute_loss)
+
+
+def build_layout(args, schedule, world):
+    """One model per schedule on this rank, and a Pipeline for each m over it."""
+    from megalm.config import validate
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.parallel.pipeline import build_pipeline
+    from megalm.training.optim import build_optimizer
+    v = SCHEDULE_V[schedule]
+    cfg = compose_cfg(args, [f"parallel.pp={world}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
+                             f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",
+                             f"trainer.global_batch_size={args.micro_batch * max(args.m)}"])
+    validate(cfg, world)
+    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    init_weights(model, cfg.model, 0)
+    plan = model.pp_plan
+    pipes = {}
+    for m in args.m:
+        pipe = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"], mesh["pp"].get_group(),
+                              cfg.parallel, m, "cpu")
+        sends, clock = Counter(), [0.0]
+        for stage in pipe.stages:
+            count_sends(stage, sends)
+        time_compute(pipe, clock)
+        pipes[m] = {"pipe": pipe, "sends": sends, "clock": clock, "steps": 0}
+    stages = [{"stage": s, "layers": [plan["ranges"][s].start, plan["ranges"][s].stop],
+               "first": s == 0, "last": s == plan["num_stages"] - 1} for s in plan["stage_ids"]]
+    return {"cfg": cfg, "mesh": mesh, "model": model, "opt": build_optimizer(cfg.optimizer, model), "pipes": pipes,
+            "stages": stages, "owner": pipes[args.m[0]]["pipe"].owner,
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def pipeline_step(lay, m, tokens, labels):
+    """One training step as the trainer runs it; (seconds in Pipeline.step, seconds of the whole step)."""
+    from megalm.parallel.grads import clip_grads, finalize_grads
+    entry = lay["pipes"][m]
+    dist.barrier()
+    t0 = time.perf_counter()
+    entry["pipe"].step(tokens, labels)
+    t1 = time.perf_counter()
+    finalize_grads(lay["model"], lay["mesh"])
+    clip_grads(list(lay["model"].parameters()), lay["cfg"].trainer.grad_clip, None, lay["mesh"]["pp"].get_group())
+    lay["opt"].step()
+    lay["opt"].zero_grad(set_to_none=True)
+    entry["steps"] += 1
+    return t1 - t0, time.perf_counter() - t0
+
+
+def busy_pass(lay, m, tokens, labels, gen):
+    """This rank's stage work for m micro-batches, back to back, without the pipeline: seconds."""
+    model, mc = lay["model"], lay["cfg"].model
+    mb = tokens.shape[0] // m
+    act_shape = (mb, mc.seq_length, mc.hidden_size)
+    work = []
+    for stage in lay["pipes"][m]["pipe"].stages:
+        view = stage.submod
+        for i in range(m):
+            x = tokens[i * mb:(i + 1) * mb] if view.first else torch.randn(act_shape, generator=gen).requires_grad_()
+            grad = None if view.last else torch.randn(act_shape, generator=gen)
+            work.append((view, x, labels[i * mb:(i + 1) * mb], grad))
+    dist.barrier()
+    t0 = time.perf_counter()
+    for view, x, y, grad in work:
+        out = view(x)
+        if view.last:
+            (model.loss(out, y) / m).backward()
+        else:
+            out.backward(grad)
+    dt = time.perf_counter() - t0
+    model.zero_grad(set_to_none=True)
+    return dt
+
+
+def single_step(model, opt, batch, m, clip):
+    from megalm.parallel.grads import clip_grads
+    t0 = time.perf_counter()
+    for mb in batch.chunk(m):
+        (model(mb[:, :-1], mb[:, 1:]) / m).backward()
+    clip_grads(list(model.parameters()), clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def worker(rank, world, store_path, args, queue):
+    try:
+        queue.put((rank, "ok", _worker(rank, world, store_path, args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _worker(rank, world, store_path, args):
+    from megalm.config import register_configs
+    from megalm.models import build_model, init_weights
+    from megalm.training.optim import build_optimizer
+    register_configs()
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    layouts = {s: build_layout(args, s, world) for s in args.schedules}  # same order on every rank
+    mc = next(iter(layouts.values()))["cfg"].model
+    gen = torch.Generator().manual_seed(0)
+    batches = {m: torch.randint(0, mc.vocab_size, (args.micro_batch * m, mc.seq_length + 1), generator=gen)
+               for m in args.m}
+    single = None
+    if rank == 0 and not args.no_single:
+        scfg = compose_cfg(args, [])
+        smodel = build_model(scfg.model, "cpu")
+        init_weights(smodel, scfg.model, 0)
+        single = (smodel, build_optimizer(scfg.optimizer, smodel), scfg.trainer.grad_clip)
+    cells = [(s, m) for s in args.schedules for m in args.m]
+    res = {f"{s}/{m}": {"pipe": [], "step": [], "busy": [], "compute": []} for s, m in cells}
+    single_times = {max(args.m): []}
+    for r in range(args.warmup + args.rounds):
+        measured = r >= args.warmup
+        dist.barrier()
+        steps = args.steps if measured else 1  # one step per cell warms up (shape inference, allocator)
+        if single is not None:  # rank 0 alone on every core, at the largest m; the others wait
+            torch.set_num_threads(cores)
+            m = max(args.m)
+            for _ in range(steps):
+                dt = single_step(single[0], single[1], batches[m], m, single[2])
+                if measured:
+                    single_times[m].append(dt)
+        dist.barrier()
+        torch.set_num_threads(max(1, cores // world))
+        order = cells if r % 2 == 0 else cells[::-1]  # alternate the order from round to round
+        for s, m in order:
+            lay, out = layouts[s], res[f"{s}/{m}"]
+            tokens, labels = batches[m][:, :-1], batches[m][:, 1:]
+            pipe_t, step_t, comp_t = [], [], []
+            for _ in range(steps):
+                clock = lay["pipes"][m]["clock"]
+                clock[0] = 0.0
+                a, b = pipeline_step(lay, m, tokens, labels)
+                pipe_t.append(a)
+                step_t.append(b)
+                comp_t.append(clock[0])
+            if measured:
+                busy = min(busy_pass(lay, m, tokens, labels, gen) for _ in range(args.busy_repeats))
+                out["pipe"].append(statistics.median(pipe_t))
+                out["step"].extend(step_t)
+                out["compute"].append(statistics.median(comp_t))
+                out["busy"].append(busy)
+    sends = {f"{s}/{m}": [{"dir": k[0], "stage": k[1], "shape": list(k[2]), "dtype": k[3], "bytes": k[4],
+                           "per_step": n / layouts[s]["pipes"][m]["steps"]}
+                          for k, n in sorted(layouts[s]["pipes"][m]["sends"].items())] for s, m in cells}
+    return {"rank": rank, "res": res, "sends": sends, "single": single_times,
+            "layouts": {s: {"stages": lay["stages"], "owner": lay["owner"], "params": lay["params"]}
+                        for s, lay in layouts.items()},
+            "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_attention_heads,
+                      "seq": mc.seq_length, "vocab": mc.vocab_size},
+            "single_params": sum(p.numel() for p in single[0].parameters()) if single else None}
+
+
+def run_ranks(args):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    out = [None] * args.pp
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=worker, args=(r, args.pp, os.path.join(tmp, "store"), args, queue), daemon=True)
+                 for r in range(args.pp)]
+        for p in procs:
+            p.start()
+        error = None
+        try:
+            for _ in range(args.pp):
+                rank, status, payload = queue.get(timeout=args.timeout)
+                if status == "error":
+                    error = f"rank {rank} failed:\n{payload}"
+                    break
+                out[rank] = payload
+        except queue_mod.Empty:
+            error = f"no answer from every rank within {args.timeout} s"
+        for p in procs:
+            p.join(timeout=5 if error else 60)
+            if p.is_alive():
+                p.kill()
+        if error:
+            raise RuntimeError(error)
+    return out
+
+
+def check(ok: bool, msg: str) -> None:
+    """An assertion that `python -O` keeps."""
+    if not ok:
+        raise AssertionError(msg)
+
+
+def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
+    """Every cross-rank boundary sends one fp32 activation forward and its gradient backward per
+    micro-batch, nothing else; returns the rows for the report (AssertionError otherwise)."""
+    owner = ranks[0]["layouts"][schedule]["owner"]  # global rank of each stage (= pp rank: world is pp)
+    seen = {}
+    for rk in ranks:
+        for row in rk["sends"][f"{schedule}/{m}"]:
+            s = row["stage"]
+            boundary = (s, s + 1) if row["dir"] == "fwd" else (s - 1, s)
+            key = (boundary, row["dir"])
+            check(key not in seen, f"{schedule}: two kinds of tensor sent on {key}: {seen.get(key)} and {row}")
+            seen[key] = dict(row, rank=rk["rank"])
+    rows = []
+    for s in range(len(owner) - 1):
+        crosses = owner[s] != owner[s + 1]
+        for d in ("fwd", "bwd"):
+            row = seen.pop(((s, s + 1), d), None)
+            if not crosses:
+                check(row is None, f"{schedule}: stages {s} and {s + 1} share a rank but sent {row}")
+                continue
+            check(row is not None, f"{schedule}: nothing sent {d} across the boundary of stages {s}/{s + 1}")
+            check(row["bytes"] == act_bytes and row["dtype"] == "float32" and row["shape"] == list(act_shape),
+                  f"{schedule}: {d} across stages {s}/{s + 1} sends {row}, expected {act_shape} fp32 = {act_bytes} B")
+            check(row["per_step"] == m, f"{schedule}: {row['per_step']} {d} sends per step across {s}/{s + 1}, "
+                  f"not m={m}")
+            rows.append({"boundary": f"{s}->{s + 1}", "dir": d, "from_rank": owner[s] if d == "fwd" else owner[s + 1],
+                         "bytes": row["bytes"], "shape": row["shape"], "dtype": row["dtype"],
+                         "per_step": row["per_step"]})
+    check(not seen, f"{schedule}: unexpected sends {seen}")
+    return rows
+
+
+def summarize(args, ranks):
+    p = args.pp
+    shape = ranks[0]["shape"]
+    tokens_mb = args.micro_batch * shape["seq"]
+    act_shape = (args.micro_batch, shape["seq"], shape["hidden"])
+    act_bytes = args.micro_batch * shape["seq"] * shape["hidden"] * 4
+    med = statistics.median
+    results = []
+    for s in args.schedules:
+        v = SCHEDULE_V[s]
+        for m in args.m:
+            key = f"{s}/{m}"
+            per = [rk["res"][key] for rk in ranks]
+            step_max = [max(ts) for ts in zip(*(x["step"] for x in per))]  # the layout's step: slowest rank
+            idle = [med([1 - b / w for b, w in zip(x["busy"], x["pipe"])]) for x in per]
+            ratio = [med([(w - b) / b for b, w in zip(x["busy"], x["pipe"])]) for x in per]
+            wait = [med([1 - c / w for c, w in zip(x["compute"], x["pipe"])]) for x in per]
+            busy = [med(x["busy"]) for x in per]
+            # Megatron's model with unequal stages: the slowest rank works all step, the others add
+            # their fill / drain, one chunk (busy / (m v)) each; equal stages give (p-1)/(m v + p-1).
+            ideal = max(busy) + (sum(busy) - max(busy)) / (m * v)
+            results.append({
+                "schedule": s, "v": v, "m": m, "tokens_per_step": tokens_mb * m,
+                "tokens_per_s": tokens_mb * m / med(step_max), "step_s": med(step_max),
+                "pipe_s": [med(x["pipe"]) for x in per], "busy_s": busy,
+                "compute_s": [med(x["compute"]) for x in per],
+                "idle_share": idle, "idle_over_busy": ratio, "wait_share": wait,
+                "theory_idle_share": (p - 1) / (m * v + p - 1), "theory_bubble_ratio": (p - 1) / (m * v),
+                "theory_idle_share_imbalanced": [1 - b / ideal for b in busy], "ideal_s": ideal,
+                "boundaries": check_boundaries(ranks, s, m, act_bytes, act_shape),
+                "stages": [rk["layouts"][s]["stages"] for rk in ranks],
+                "params": [rk["layouts"][s]["params"] for rk in ranks],
+            })
+    single = {m: tokens_mb * m / med(ts) for m, ts in ranks[0]["single"].items() if ts}
+    return {"args": vars(args), "shape": shape, "cores": os.cpu_count(), "torch": torch.__version__,
+            "boundary_bytes_analytic": act_bytes, "activation_shape": list(act_shape),
+            "single_tokens_per_s": single, "single_params": ranks[0]["single_params"], "results": results}
+
+
+def pct(x):
+    return f"{100 * x:.1f}%"
+
+
+def report(out, args):
+    sh, p = out["shape"], args.pp
+    print(f"model {args.model} x {sh['layers']} layers, hidden {sh['hidden']}, heads {sh['heads']}, seq {sh['seq']}, "
+          f"vocab {sh['vocab']}; fp32, AdamW; micro-batch {args.micro_batch}; pp={p} gloo ranks x 1 core; "
+          f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; {out['cores']} cores; "
+          f"torch {out['torch']}")
+    for m, rate in out["single_tokens_per_s"].items():
+        print(f"single process (rank 0 alone, {out['cores']} threads), {m} micro-batches/step: {rate:.0f} tokens/s")
+    ranks = " | ".join(f"r{r}" for r in range(p))
+    print("\nidle share = 1 - busy/wall of Pipeline.step (median of rounds); theory for equal stages "
+          "(p-1)/(m*v+p-1); theory with the measured busy times: ideal = max busy + (sum of the others' busy)"
+          "/(m*v), idle = 1 - busy/ideal. idle/busy = (wall-busy)/busy against (p-1)/(m*v), Megatron's bubble "
+          "fraction (bubble time over ideal compute time). Zero-bubble schedules aim below these theories.")
+    print(f"| schedule | v | m | tokens/s | idle share {ranks} | theory, equal stages | theory, measured stages "
+          f"{ranks} | idle/busy {ranks} | (p-1)/(m*v) |")
+    print("|---|---|---|---|" + "---|" * p + "---|" + "---|" * p + "---|" * p + "---|")
+    for r in out["results"]:
+        print(f"| {r['schedule']} | {r['v']} | {r['m']} | {r['tokens_per_s']:.0f} | "
+              + " | ".join(pct(x) for x in r["idle_share"]) + f" | {pct(r['theory_idle_share'])} | "
+              + " | ".join(pct(x) for x in r["theory_idle_share_imbalanced"]) + " | "
+              + " | ".join(pct(x) for x in r["idle_over_busy"]) + f" | {pct(r['theory_bubble_ratio'])} |")
+    print("\nper rank seconds (median): wall of Pipeline.step / busy alone / compute inside the schedule; "
+          "wait share = 1 - compute/wall")
+    print(f"| schedule | m | stages (layers) per rank | wall s {ranks} | busy s {ranks} | compute s {ranks} | "
+          f"wait share {ranks} |")
+    print("|---|---|---|" + "---|" * (4 * p))
+    for r in out["results"]:
+        st = "; ".join(f"r{i}: " + ", ".join(f"{x['stage']}[{x['layers'][0]}:{x['layers'][1]}]"
+                                              + ("+emb" if x["first"] else "") + ("+head" if x["last"] else "")
+                                              for x in rk) for i, rk in enumerate(r["stages"]))
+        print(f"| {r['schedule']} | {r['m']} | {st} | " + " | ".join(f"{x:.3f}" for x in r["pipe_s"]) + " | "
+              + " | ".join(f"{x:.3f}" for x in r["busy_s"]) + " | " + " | ".join(f"{x:.3f}" for x in r["compute_s"])
+              + " | " + " | ".join(pct(x) for x in r["wait_share"]) + " |")
+    b = out["boundary_bytes_analytic"]
+    print(f"\nboundary bytes per micro-batch: analytic micro_batch x seq x hidden x 4 = "
+          f"{' x '.join(map(str, out['activation_shape']))} x 4 = {b:,} B (fp32)")
+    for r in out["results"]:
+        if r["m"] != args.m[0]:
+            continue
+        rows = ", ".join(f"{x['boundary']} {x['dir']} from r{x['from_rank']}: {x['bytes']:,} B {x['dtype']} "
+                         f"x{x['per_step']:g}/step" for x in r["boundaries"])
+        print(f"- {r['schedule']}: {rows}  (all equal to the analytic value: checked)")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (one core each)")
+    ap.add_argument("--model", default="gpt_cpu", help="model preset under conf/model")
+    ap.add_argument("--layers", type=int, default=8, help="layers (every schedule's stage count must divide it)")
+    ap.add_argument("--hidden", type=int, default=None, help="override model.hidden_size")
+    ap.add_argument("--heads", type=int, default=None, help="override model.num_attention_heads")
+    ap.add_argument("--seq", type=int, default=None, help="override model.seq_length")
+    ap.add_argument("--vocab", type=int, default=None, help="override model.vocab_size")
+    ap.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch")
+    ap.add_argument("--m", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULE_V), choices=list(SCHEDULE_V),
+                    help="schedules to run (interleaved ones and zbv with 2 stages per rank)")
+    ap.add_argument("--rounds", type=int, default=3, help="measured rounds")
+    ap.add_argument("--warmup", type=int, default=1, help="warm-up rounds (not measured)")
+    ap.add_argument("--steps", type=int, default=2, help="training steps per round and cell")
+    ap.add_argument("--busy-repeats", type=int, default=1,
+                    help="busy passes per round and cell; the fastest counts (more: busy biased low, idle high)")
+    ap.add_argument("--no-single", action="store_true", help="skip the single-process reference")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny shape for tests: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for the ranks")
+    ap.add_argument("--json", default=None, help="write the results here")
+    if ap.parse_args(argv).quick:  # the tiny shape as defaults: explicit options still win
+        ap.set_defaults(**QUICK)
+    args = ap.parse_args(argv)
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    out = summarize(args, run_ranks(args))
+    out["wall_time_s"] = time.perf_counter() - t0
+    out["loadavg_1min"] = {"start": load0[0], "end": os.getloadavg()[0]}  # other jobs on the machine
+    report(out, args)
+    print(f"\n{out['wall_time_s']:.0f} s in all; 1-minute load average {out['loadavg_1min']['start']:.1f} at the "
+          f"start, {out['loadavg_1min']['end']:.1f} at the end ({out['cores']} cores)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main() is None)
