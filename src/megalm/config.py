@@ -219,8 +219,6 @@ class DataConfig:
     """Zero the loss at positions whose input token is end-of-document (Megatron's --eod-mask-loss)."""
     check_vocab: bool = True
     """Scan each .bin once (result cached) for token ids outside the tokenizer's vocabulary."""
-    num_workers: int = 0
-    """Reserved for background loading; 0 = load in the training process."""
 
 
 @dataclass
