@@ -156,3 +156,24 @@ def test_eod_mask_loss_ignores_the_token_after_each_document(tmp_path):
     plain = run(load(*TINY, *stdlib), tmp_path / "plain")
     masked = run(load(*TINY, *stdlib, "data.eod_mask_loss=true"), tmp_path / "masked")
     assert math.isfinite(masked) and masked != plain
+
+
+def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+    import signal
+    import time
+    run_dir = tmp_path / "run"
+    args = [*TINY, "trainer.max_steps=100000", "trainer.eval_steps=0", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.Popen([sys.executable, "-m", "megalm.train", *args], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # as a cluster scheduler does before preempting
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "a stop signal arrived" in out
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert saved >= 3 and max(r["step"] for r in records(run_dir) if "loss" in r) == saved
+    run(load(*TINY, "trainer.max_steps=100000", "trainer.eval_steps=0", "trainer.exit_interval=1"), run_dir)
+    assert max(r["step"] for r in records(run_dir) if "loss" in r) == saved + 1  # resumed where it stopped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 import time
 from typing import Any, Dict, Optional
 
@@ -158,7 +159,31 @@ class Trainer:
             log.info("step %d: validation loss %.4f (perplexity %.1f)", self.step, self.val_loss, record["val_ppl"])
 
     # -- the loop --------------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        self._signal = signum
+
+    def _stop_requested(self) -> bool:
+        """SIGTERM / SIGUSR1 (cluster preemption) seen on any rank; agreed so all ranks save together."""
+        flag = torch.tensor(1.0 if self._signal is not None else 0.0)
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     def fit(self) -> Optional[float]:
+        self._signal = None
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            try:
+                previous[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread (an embedding application): leave signals alone
+                pass
+        try:
+            return self._fit()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _fit(self) -> Optional[float]:
         c = self.cfg
         bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
                    dynamic_ncols=True, desc="train", unit="step")
@@ -188,12 +213,14 @@ class Trainer:
                 if last or (c.eval_interval > 0 and self.step % c.eval_interval == 0):
                     self._eval_and_log(bar)
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
-                if self.checkpointer.due(self.step, last or exiting):
+                signalled = not last and self._stop_requested()
+                if self.checkpointer.due(self.step, last or exiting or signalled):
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.state())
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
-                if exiting:
-                    log.info("step %d: trainer.exit_interval=%d reached; stopping (start again to resume)",
-                             self.step, c.exit_interval)
+                if exiting or signalled:
+                    why = "a stop signal arrived" if signalled else f"trainer.exit_interval={c.exit_interval} reached"
+                    log.info("step %d: %s; saved and stopping (start again in this run directory to resume)",
+                             self.step, why)
                     break
         bar.close()
         self.metrics.close()
