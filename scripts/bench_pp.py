@@ -101,7 +101,7 @@ def time_compute(pipe, clock: list) -> None:
 
 def build_layout(args, schedule, world):
     """One model per schedule on this rank, and a Pipeline for each m over it."""
-    from megalm.config import validate
+    from megalm.validation import validate
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, init_weights
     from megalm.parallel import materialize, parallelize

@@ -4,7 +4,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megalm.config import conf_dir, register_configs, reject_unknown_keys, validate
+from megalm.config import conf_dir, register_configs
+from megalm.validation import reject_unknown_keys, validate
 from megalm.launch import plan_world, ranks_needed
 
 register_configs()

@@ -13,7 +13,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from distributed import run_ranks
-from megalm.config import conf_dir, register_configs, validate
+from megalm.config import conf_dir, register_configs
+from megalm.validation import validate
 
 register_configs()
 STEPS = 4

@@ -18,7 +18,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from megalm.config import Config, conf_dir, register_configs, reject_unknown_keys, validate
+from megalm.config import Config, conf_dir, register_configs
+from megalm.validation import reject_unknown_keys, validate
 from megalm.launch import detect_rank_env, init_distributed, plan_world, spawn_local
 
 log = logging.getLogger("megalm.train")

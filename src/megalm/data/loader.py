@@ -19,7 +19,8 @@ from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from megalm.config import DataConfig, split_weights
+from megalm.config import DataConfig
+from megalm.validation import split_weights
 from megalm.data.blended import BlendedDataset, parse_blend, per_dataset_samples
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
