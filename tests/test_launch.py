@@ -79,3 +79,49 @@ def test_under_torchrun_each_process_is_a_rank(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert (r.stdout + r.stderr).count("saved checkpoint") == 1  # rank 0 alone reports
     assert sum('"loss"' in line for line in (run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def _rank_1_dies_once(cfg, run_dir):
+    import os
+    from megalm.launch import rank_main
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and os.environ["RANK"] == "1":
+        import megalm.training.trainer as trainer_mod
+        original = trainer_mod.Trainer.train_step
+
+        def dies_at_step_4(self):
+            if self.step == 3:
+                raise RuntimeError("rank 1 lost its machine")
+            return original(self)
+
+        trainer_mod.Trainer.train_step = dies_at_step_4
+    return rank_main(cfg, run_dir)
+
+
+def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
+    import json
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    from megalm.config import conf_dir, register_configs
+    from megalm.train import run
+    register_configs()
+    common = ["model=gpt_tiny", "data=mock", "trainer.max_steps=5", "trainer.micro_batch_size=4",
+              "trainer.global_batch_size=8", "trainer.eval_steps=0", "trainer.log_interval=1",
+              "trainer.progress_bar=false", "trainer.num_threads=1", "checkpoint.interval=2"]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        flaky = OmegaConf.to_object(compose("config", overrides=[*common, "parallel=dp2", "cluster.max_restarts=1"]))
+        single = OmegaConf.to_object(compose("config", overrides=common))
+    spawn_local(flaky, tmp_path / "flaky", 2, entrypoint=_rank_1_dies_once)
+    run(single, tmp_path / "single", 1)
+
+    def last_loss_per_step(d):
+        out = {}
+        for line in (d / "metrics.jsonl").read_text().splitlines():
+            r = json.loads(line)
+            if "loss" in r:
+                out[r["step"]] = r["loss"]  # a re-run step overwrites the lost attempt's record
+        return out
+
+    got, ref = last_loss_per_step(tmp_path / "flaky"), last_loss_per_step(tmp_path / "single")
+    assert sorted(got) == [1, 2, 3, 4, 5]
+    assert [got[s] for s in range(1, 6)] == pytest.approx([ref[s] for s in range(1, 6)], rel=1e-5)
+    assert (tmp_path / "flaky" / "checkpoints" / "latest").read_text().strip() == "step_00000005"

@@ -84,6 +84,9 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
     kills the others and ChildFailedError carries the failing rank's traceback.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    # Restarted ranks must not share the rendezvous TCP store with the first attempt: its stale
+    # keys hand gloo/nccl the dead ranks' addresses (a known torch elastic problem, pytorch#135712).
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_cfg = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megalm-{os.getpid()}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.cluster.max_restarts,
