@@ -31,6 +31,7 @@ import multiprocessing
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,6 +330,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
         if workers == 1:
             _init_worker(*init)
             for chunk in chunks:
+                _check_stop()
                 take(chunk.nbytes, len(chunk.records), encode_chunk(chunk))
         else:
             ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
@@ -339,11 +341,12 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
             for chunk in chunks:
                 while len(pending) >= 4 * workers:  # bounded look-ahead: memory never holds the input
                     nbytes, ndocs, res = pending.popleft()
-                    take(nbytes, ndocs, res.get())
+                    take(nbytes, ndocs, _wait(res))
+                _check_stop()
                 pending.append((chunk.nbytes, len(chunk.records), pool.apply_async(encode_chunk, (chunk,))))
             while pending:
                 nbytes, ndocs, res = pending.popleft()
-                take(nbytes, ndocs, res.get())
+                take(nbytes, ndocs, _wait(res))
             pool.close()
             pool.join()
     bar.close()
@@ -356,6 +359,24 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
              stats.bytes / 1e6, stats.seconds, stats.docs_per_s, stats.mb_per_s,
              "; ".join(f"{stats.outputs[k]}: {stats.written[k]} documents, {stats.tokens[k]} tokens" for k in keys))
     return stats
+
+
+_STOP = threading.Event()  # set by the CLI's SIGINT / SIGTERM handler
+
+
+def _check_stop() -> None:
+    if _STOP.is_set():
+        raise KeyboardInterrupt("stop requested")
+
+
+def _wait(res):
+    """A pool result, checking for a stop request while waiting."""
+    while True:
+        _check_stop()
+        try:
+            return res.get(timeout=0.2)
+        except multiprocessing.TimeoutError:
+            continue
 
 
 def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
@@ -424,10 +445,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
 
-    def terminate(signum, frame):  # make `kill` unwind like Ctrl-C: temporaries are removed
-        raise KeyboardInterrupt(f"signal {signum}")
+    def terminate(signum, frame):
+        # Only note it: raising here could interrupt the pool's internals while they hold a lock,
+        # and pool.terminate() would then hang. preprocess() stops at the next safe point, with
+        # KeyboardInterrupt, so the writers' temporaries are removed.
+        _STOP.set()
 
     signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGINT, terminate)
     try:
         if args.merge:
             if args.input:
