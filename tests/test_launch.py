@@ -1,5 +1,6 @@
 """Multi-rank launch on this machine: through the CLI, and a failing rank stops the job."""
 
+import json
 import subprocess
 import sys
 import time
@@ -52,6 +53,8 @@ def test_train_cli_tp2_end_to_end(tmp_path):
     assert (run_dir / "config.yaml").exists() and (run_dir / "train.log").exists()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
     assert "[rank 1]" not in (run_dir / "train.log").read_text()
+    last = [json.loads(line) for line in lines if '"loss"' in line][-1]
+    assert len(last["peak_mem_gb_per_rank"]) == 2 and all(m > 0 for m in last["peak_mem_gb_per_rank"])
 
 
 def test_pp2_training_then_generation_from_its_checkpoint(tmp_path):

@@ -159,6 +159,17 @@ class Trainer:
             log.info("step %d: validation loss %.4f (perplexity %.1f)", self.step, self.val_loss, record["val_ppl"])
 
     # -- the loop --------------------------------------------------------------------------------
+    def _peak_memory(self) -> Dict[str, Any]:
+        """Peak memory of this rank, and of every rank when distributed (they differ by stage)."""
+        mine = peak_memory_bytes(self.device) / 2**30
+        out: Dict[str, Any] = {"peak_mem_gb": mine}
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            every = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(every, mine)
+            out["peak_mem_gb_per_rank"] = [round(x, 4) for x in every]
+            out["peak_mem_gb"] = max(every)
+        return out
+
     def _on_signal(self, signum, frame) -> None:
         self._signal = signum
 
@@ -203,7 +214,7 @@ class Trainer:
                     out.update(self.throughput.report())
                     out.update(step=self.step, consumed_samples=self.loader.consumed_samples,
                                elapsed_s=time.perf_counter() - t_start,
-                               peak_mem_gb=peak_memory_bytes(self.device) / 2**30)
+                               **self._peak_memory())
                     self.metrics.write(out)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}",
                                     tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
