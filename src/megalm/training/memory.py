@@ -1,0 +1,37 @@
+"""Model-state memory per rank: the expected bytes per parameter, and what a rank really holds.
+
+Megatron's accounting (its distributed-optimizer notes; ZeRO, arXiv:1910.02054): with low-precision
+weights (2 bytes), fp32 gradients (4) and an fp32 master copy plus Adam's two moments (4 + 4 + 4),
+a parameter costs 18 bytes without sharding and 6 + 12/dp with the optimizer state sharded over
+dp. megalm keeps fp32 weights (autocast casts them per op) and fp32 gradients, and the weights
+are their own master copy, so today every precision costs 4 + 4 + 8 = 16 bytes per parameter.
+Activations are not model state and are not counted here.
+"""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+
+def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, master_weights: bool = False,
+                             optimizer_moments: int = 2, zero_stage: int = 0, dp: int = 1) -> float:
+    """Bytes of weights + gradients + optimizer state per parameter on one rank.
+
+    zero_stage 1 shards the optimizer state (and master weights) over dp, 2 also the gradients,
+    3 also the weights.
+    """
+    optimizer = 4 * optimizer_moments + (4 if master_weights else 0)
+    shard = lambda x, stage: x / dp if zero_stage >= stage else x  # noqa: E731
+    return shard(weight_bytes, 3) + shard(grad_bytes, 2) + shard(optimizer, 1)
+
+
+def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
+    """What this rank holds now: weights, gradients and optimizer state, in bytes."""
+    params = list(model.parameters())  # a tied weight is one tensor, counted once
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                if torch.is_tensor(t) and t.dim() > 0)  # Adam's scalar `step` is not model state
+    return {"params": sum(p.numel() for p in params), "weights": weights, "grads": grads, "optimizer": state}
