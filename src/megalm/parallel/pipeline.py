@@ -99,7 +99,7 @@ class StageView(nn.Module):
 @dataclass
 class Pipeline:
     """What the trainer needs to run a step through the pipeline on this rank."""
-    schedule: object
+    schedule: Optional[object]  # set by build_pipeline right after construction
     stages: List[object]
     has_first: bool
     has_last: bool
@@ -111,6 +111,12 @@ class Pipeline:
     owner: List[int]  # global rank running each stage
     rank: int
     loss_scale: float = 1.0  # fp16: the trainer's current loss scale
+
+    def train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,
+        which runs once per stage and would scale a weight shared by two stages of one rank (ZBV's
+        tied embedding and head) twice; the fp16 loss scale multiplies in here too."""
+        return self.loss_fn(logits, labels) * (self.loss_scale / self.n_microbatches)
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
         """Run a batch split into the schedule's micro-batches; the mean loss on every pp rank."""
@@ -171,29 +177,22 @@ def build_pipeline(model: GPT, stage_ranges: List[range], stage_ids: List[int], 
     from torch.distributed import pipelining as pl
     stages = [pl.PipelineStage(StageView(model, stage_ranges[s], s == 0, s == num_stages - 1), s, num_stages,
                                device, group=group) for s in stage_ids]
-    loss_fn = lambda logits, labels: model.loss(logits, labels)  # noqa: E731 — the last stage's LMLoss
-    # Scale the loss, not the gradients: the schedule's gradient scaling runs once per stage, so a
-    # weight shared by two stages of one rank (ZBV's tied embedding and head) would be scaled twice.
-    # The fp16 loss scale (Pipeline.loss_scale, set by the trainer each step) multiplies in here too.
-    holder: List[Pipeline] = []
-    train_loss_fn = lambda logits, labels: (  # noqa: E731
-        model.loss(logits, labels) * (holder[0].loss_scale / n_microbatches))
+    pp_ranks = dist.get_process_group_ranks(group)  # global ranks by pp rank
+    pp = len(pp_ranks)
     name = cfg.pipeline_schedule
+    owner = [pp_ranks[next(r for r in range(pp) if s in virtual_stages_of(r, pp, len(stage_ids), name))]
+             for s in range(num_stages)]
+    pipeline = Pipeline(None, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
+                        last_rank=owner[-1], group=group, loss_fn=model.loss, n_microbatches=n_microbatches,
+                        num_stages=num_stages, owner=owner, rank=dist.get_rank())
     if name in MULTI_STAGE:
         cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
                "zbv": pl.ScheduleZBVZeroBubble}[name]
-        schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=train_loss_fn, scale_grads=False)
+        pipeline.schedule = cls(stages, n_microbatches=n_microbatches, loss_fn=pipeline.train_loss, scale_grads=False)
     else:
         cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}[name]
-        schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=train_loss_fn, scale_grads=False)
-    pp_ranks = dist.get_process_group_ranks(group)  # global ranks by pp rank
-    pp = len(pp_ranks)
-    owner = [pp_ranks[next(r for r in range(pp) if s in virtual_stages_of(r, pp, len(stage_ids), name))]
-             for s in range(num_stages)]
-    pipeline = Pipeline(schedule, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
-                        last_rank=owner[-1], group=group, loss_fn=loss_fn, n_microbatches=n_microbatches,
-                        num_stages=num_stages, owner=owner, rank=dist.get_rank())
-    holder.append(pipeline)
+        pipeline.schedule = cls(stages[0], n_microbatches=n_microbatches, loss_fn=pipeline.train_loss,
+                                scale_grads=False)
     return pipeline
 
 

@@ -49,15 +49,6 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     module.forward = forward
 
 
-def _rng_of(module: nn.Module):
-    """The TPRNG a tensor-parallel plan attached to the forks inside `module`, if any."""
-    for sub in module.modules():
-        rng = getattr(sub, "_rng", None)
-        if rng is not None and hasattr(rng, "fork"):
-            return rng
-    return None
-
-
 def apply_recompute(model: nn.Module, cfg: ParallelConfig, stage_ranges: Optional[list] = None) -> None:
     """Wrap blocks (full) or attention cores (selective) of `model` in place."""
     if cfg.recompute == "none":
@@ -78,4 +69,4 @@ def apply_recompute(model: nn.Module, cfg: ParallelConfig, stage_ranges: Optiona
         chosen.update(layers if n is None else layers[:n])
     for key in keys:
         if int(key) in chosen:
-            recompute_forward(model.blocks[key], _rng_of(model.blocks[key]))
+            recompute_forward(model.blocks[key], getattr(model, "tp_rng", None))

@@ -71,6 +71,7 @@ def apply_tensor_parallel(model: GPT, group, *, sequence_parallel: bool, seed: i
     q, kv = cfg.num_attention_heads * hd, cfg.kv_heads * hd
     device = next(model.parameters()).device
     rng = TPRNG(seed, rank, rng_device)  # the device training will run on; `device` is meta here
+    model.tp_rng = rng  # recomputation replays this stream (megalm.parallel.recompute)
     dense = dict(group=group, sequence_parallel=sp, device=device)
 
     if model.embed is not None:

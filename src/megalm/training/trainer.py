@@ -122,7 +122,7 @@ class Trainer:
     def _with_mask(self, mb: torch.Tensor):
         """(inputs, labels) of a (mbs, seq + 1) micro-batch; labels after an eod are ignored with eod_mask_loss."""
         x, y = mb[:, :-1], mb[:, 1:]
-        mask = self.data.loss_mask(mb) if hasattr(self.data, "loss_mask") else None
+        mask = self.data.loss_mask(mb)
         if mask is not None:
             y = y.masked_fill(mask == 0, IGNORE)
         return x, y
