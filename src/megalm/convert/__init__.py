@@ -1,0 +1,13 @@
+"""Hugging Face import and export: `python -m megalm.convert {export,import} ...`.
+
+export: a megalm checkpoint (run dir, checkpoint dir or step folder, written at any parallel
+layout) → a Hugging Face folder (config.json + model.safetensors) that transformers loads as
+GPT2LMHeadModel or LlamaForCausalLM. import: such a folder → a megalm checkpoint dir that
+training starts from with checkpoint.load=DIR. The weight mapping lives in megalm.convert.hf.
+"""
+
+from megalm.convert.hf import (UnsupportedArchitecture, export_arch, export_to_hf, hf_config, import_from_hf,
+                               locate_checkpoint, model_config_from_hf)
+
+__all__ = ["UnsupportedArchitecture", "export_arch", "export_to_hf", "hf_config", "import_from_hf",
+           "locate_checkpoint", "model_config_from_hf"]

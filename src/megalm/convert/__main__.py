@@ -1,0 +1,78 @@
+"""`python -m megalm.convert {export,import}`: megalm checkpoints <-> Hugging Face folders."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, import_from_hf
+
+EPILOG = """examples:
+  python -m megalm.convert export outputs/2025-01-01/12-00-00 hf/my-model
+  python -m megalm.convert import hf/TinyLlama ckpt/tinyllama --seq-length 2048
+  python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama
+
+GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama
+style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM; anything else is refused."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m megalm.convert", epilog=EPILOG,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Convert between megalm checkpoints and Hugging Face folders.")
+    sub = ap.add_subparsers(dest="command", required=True, metavar="{export,import}")
+    ex = sub.add_parser("export", help="megalm checkpoint → Hugging Face folder (config.json + model.safetensors)",
+                        description="Write a Hugging Face folder (config.json, model.safetensors and the run's "
+                                    "tokenizer when it has one) for a megalm checkpoint saved at any layout.")
+    ex.add_argument("src", type=Path, metavar="RUN_OR_CKPT",
+                    help="a run directory (config.yaml + checkpoints/), a checkpoint dir (with `latest`) "
+                         "or one step folder")
+    ex.add_argument("out", type=Path, metavar="OUT_DIR", help="the Hugging Face folder to write")
+    ex.add_argument("--config", type=Path, default=None,
+                    help="the run's config.yaml or a model yaml, when none sits next to the checkpoint")
+    ex.add_argument("--dtype", choices=list(DTYPES), default="float32",
+                    help="dtype of the saved weights (default float32, as the checkpoint holds them)")
+    ex.add_argument("--no-tokenizer", action="store_true", help="do not copy the run's tokenizer")
+    ex.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty")
+    im = sub.add_parser("import", help="Hugging Face folder → megalm checkpoint dir for checkpoint.load",
+                        description="Write a megalm checkpoint dir (step_00000000 + latest, config.yaml and "
+                                    "conf/model/NAME.yaml) from a Hugging Face folder with config.json and "
+                                    "*.safetensors (read with safetensors only, never pickle). "
+                                    + OPTIMIZER_STATE_NOTE + ".")
+    im.add_argument("src", type=Path, metavar="HF_DIR", help="a folder with config.json and *.safetensors")
+    im.add_argument("out", type=Path, metavar="OUT_DIR", help="the megalm checkpoint dir to write")
+    im.add_argument("--name", default=None, help="model preset name (default hf_<folder name>)")
+    im.add_argument("--seq-length", type=int, default=None,
+                    help="model.seq_length for rope models (default: max_position_embeddings)")
+    im.add_argument("--optimizer", default="adamw",
+                    help="conf/optimizer preset whose fresh state (and weight_decay, betas, ...) the "
+                         "checkpoint holds; train with the same preset (default adamw)")
+    im.add_argument("--force", action="store_true", help="write into OUT_DIR even if it is not empty")
+    return ap
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.command == "export":
+            out = export_to_hf(args.src, args.out, config=args.config, dtype=args.dtype, force=args.force,
+                               copy_tokenizer=not args.no_tokenizer)
+            print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
+        else:
+            out, cfg = import_from_hf(args.src, args.out, name=args.name, seq_length=args.seq_length,
+                                      optimizer=args.optimizer, force=args.force)
+            print(f"wrote megalm checkpoint {out / 'step_00000000'}\ntrain from it:\n"
+                  f"  python -m megalm.train --config-dir {out / 'conf'} model={cfg.name} checkpoint.load={out}"
+                  + (f" optimizer={args.optimizer}" if args.optimizer != "adamw" else ""))
+            if (out / "tokenizer.json").is_file():
+                print(f"  (its tokenizer: data.tokenizer.type=huggingface data.tokenizer.model={out / 'tokenizer.json'})")
+    except (FileNotFoundError, FileExistsError, ValueError) as e:
+        raise SystemExit(f"megalm.convert {args.command}: {e}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

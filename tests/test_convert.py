@@ -1,0 +1,325 @@
+"""Hugging Face import / export (megalm.convert) gives the logits transformers computes.
+
+Tiny random GPT2LMHeadModel / LlamaForCausalLM models are built from config objects here (no
+downloads). Every weight, norm gains and biases included, is drawn at random so a mapping that
+drops or mixes up a tensor changes the logits.
+
+Tolerance: fp32 on both sides, the same math in a different order (one fused qkv matmul against
+three, SDPA kernels, RMSNorm/rope written differently), so logits of size ~1 agree to ~1e-6;
+we allow atol 1e-5, rtol 1e-5. A wrong mapping is off by ~1e-1.
+"""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file  # noqa: E402
+
+from megalm.config import CheckpointConfig, ModelConfig, OptimizerConfig  # noqa: E402
+from megalm.convert import UnsupportedArchitecture, export_arch, export_to_hf, import_from_hf  # noqa: E402
+from megalm.convert import locate_checkpoint, model_config_from_hf  # noqa: E402
+from megalm.convert.__main__ import main  # noqa: E402
+from megalm.convert.hf import read_model_config  # noqa: E402
+from megalm.models import build_model, init_weights  # noqa: E402
+from megalm.training.checkpoint import Checkpointer, load_model_weights  # noqa: E402
+from megalm.training.optim import build_optimizer  # noqa: E402
+
+TOL = dict(atol=1e-5, rtol=1e-5)
+V, T = 99, 16  # a vocabulary megalm pads (to 104 or 128), and the context length
+
+
+def _hf_config(kind):
+    common = dict(vocab_size=V, bos_token_id=0, eos_token_id=0)
+    if kind == "gpt2":
+        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=T, resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, **common)
+    if kind == "gpt2_untied":
+        return transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, n_positions=T, n_inner=48,
+                                       layer_norm_epsilon=1e-3, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                       tie_word_embeddings=False, **common)
+    if kind == "llama_gqa":  # grouped-query attention, untied head, a non-default rope theta and eps
+        return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=48, max_position_embeddings=T,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                        rms_norm_eps=1e-5, tie_word_embeddings=False, **common)
+    if kind == "llama_mqa_bias_tied":
+        return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=1, intermediate_size=40, max_position_embeddings=T,
+                                        attention_bias=True, mlp_bias=True, tie_word_embeddings=True, **common)
+    raise KeyError(kind)
+
+
+@torch.no_grad()
+def _randomize(model, seed=0):
+    """Every tensor random (norm gains around 1), so each one matters to the logits."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=g)
+        gain = p.ndim == 1 and name.endswith("weight")
+        p.copy_(1.0 + 0.1 * noise if gain else (0.1 if p.ndim == 1 else 0.2) * noise)
+
+
+def _hf_model(kind, folder: Path, **save):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_hf_config(kind), attn_implementation="eager").eval()
+    _randomize(model)
+    model.save_pretrained(folder, **save)
+    return model
+
+
+def _tokens(vocab=V, seed=1):
+    return torch.randint(0, vocab, (2, T), generator=torch.Generator().manual_seed(seed))
+
+
+def _megalm_from(ckpt: Path, cfg: ModelConfig):
+    model = build_model(cfg).eval()
+    load_model_weights(ckpt, model)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "llama_gqa", "llama_mqa_bias_tied"])
+def test_import_matches_transformers_and_round_trips(tmp_path, kind):
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    sharded = kind == "llama_gqa"  # several files and an index json, as large models come
+    hf = _hf_model(kind, hf_dir, **(dict(max_shard_size="20KB") if sharded else {}))
+    assert (hf_dir / "model.safetensors.index.json").is_file() == sharded
+    tokens = _tokens()
+    with torch.no_grad():
+        want = hf(tokens).logits
+
+    out, cfg = import_from_hf(hf_dir, ckpt, name="imported")
+    assert (ckpt / "latest").read_text().strip() == "step_00000000"
+    # The model yaml the user passes to training describes the same model.
+    assert read_model_config(ckpt / "conf" / "model" / "imported.yaml") == cfg
+    assert read_model_config(ckpt / "config.yaml") == cfg
+    if kind == "llama_gqa":
+        assert (cfg.num_query_groups, cfg.rope_theta, cfg.tie_embeddings) == (2, 500000.0, False)
+    model = _megalm_from(ckpt, cfg)
+    with torch.no_grad():
+        got = model(tokens)
+    assert got.shape[-1] == cfg.padded_vocab_size > V
+    torch.testing.assert_close(got[..., :V], want, **TOL)
+
+    # Round trip: exporting the import gives back the same tensors, bit for bit, and config fields.
+    export_to_hf(ckpt, back)
+    original = {k: v for f in hf_dir.glob("*.safetensors") for k, v in load_file(f).items()}
+    again = load_file(back / "model.safetensors")
+    assert sorted(again) == sorted(k for k in original if not k.endswith((".attn.bias", ".attn.masked_bias")))
+    for key, value in again.items():
+        assert torch.equal(value, original[key]), key
+    a, b = json.loads((hf_dir / "config.json").read_text()), json.loads((back / "config.json").read_text())
+    for key in ("model_type", "vocab_size", "tie_word_embeddings", "n_embd", "n_layer", "n_head", "n_positions",
+                "layer_norm_epsilon", "hidden_size", "num_hidden_layers", "num_key_value_heads", "intermediate_size",
+                "rms_norm_eps", "attention_bias", "mlp_bias", "max_position_embeddings"):
+        if key in a:
+            assert b[key] == a[key], key
+
+
+def test_imported_optimizer_state_is_fresh(tmp_path):
+    """checkpoint.load restores optimizer state too; the import's is exactly a new optimizer's."""
+    _hf_model("llama_gqa", tmp_path / "hf")
+    _, cfg = import_from_hf(tmp_path / "hf", tmp_path / "ckpt")
+    model = build_model(cfg)
+    optim = build_optimizer(OptimizerConfig(), model)
+    state = Checkpointer(CheckpointConfig(), tmp_path).load(tmp_path / "ckpt", model, optim)
+    assert state["step"] == 0 and state["consumed_samples"] == 0
+    assert all(float(s["step"]) == 0 and not s["exp_avg"].any() and not s["exp_avg_sq"].any()
+               for s in optim.state.values())
+
+
+MEGALM_VARIANTS = {
+    "gpt2": dict(),
+    "gpt2_untied": dict(tie_embeddings=False, ffn_hidden_size=40, norm_eps=1e-3),
+    "llama_gqa": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+                      tie_embeddings=False, num_query_groups=2, rope_theta=5e5, norm_eps=1e-6),
+    "llama_bias_tied": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
+                            num_query_groups=1),
+}
+
+
+def _save_run(run_dir: Path, cfg: ModelConfig, seed=3) -> Path:
+    """A run directory as megalm.train leaves it: config.yaml and checkpoints/step_*/."""
+    model = build_model(cfg)
+    init_weights(model, cfg, seed)
+    with torch.no_grad():  # init_weights sets norms to 1 and biases to 0: make them matter too
+        g = torch.Generator().manual_seed(seed)
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn(p.shape, generator=g))
+    run_dir.mkdir(parents=True)
+    OmegaConf.save(OmegaConf.create({"model": OmegaConf.structured(cfg), "checkpoint": {"dir": "checkpoints"}}),
+                   run_dir / "config.yaml")
+    Checkpointer(CheckpointConfig(dir="checkpoints"), run_dir).save(
+        5, model, build_optimizer(OptimizerConfig(), model), {"consumed_samples": 40})
+    return model.eval()
+
+
+@pytest.mark.parametrize("variant", MEGALM_VARIANTS)
+def test_export_loads_in_transformers(tmp_path, tiny_model_cfg, variant):
+    cfg = dataclasses.replace(tiny_model_cfg, name="exported", **MEGALM_VARIANTS[variant])
+    model = _save_run(tmp_path / "run", cfg)
+    out = export_to_hf(tmp_path / "run", tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert type(hf).__name__ == ("GPT2LMHeadModel" if variant.startswith("gpt2") else "LlamaForCausalLM")
+    tokens = _tokens(cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model(tokens)[..., :cfg.vocab_size], **TOL)
+
+
+def test_locate_run_dir_checkpoint_dir_and_step_folder(tmp_path, tiny_model_cfg):
+    _save_run(tmp_path / "run", tiny_model_cfg)
+    step = tmp_path / "run" / "checkpoints" / "step_00000005"
+    for src in (tmp_path / "run", tmp_path / "run" / "checkpoints", step):
+        found, cfg, run_dir = locate_checkpoint(src)
+        assert (found, cfg, run_dir) == (step, tiny_model_cfg, tmp_path / "run")
+    # A step folder moved away from its run needs --config.
+    lone = tmp_path / "lone" / "a" / "step_00000005"
+    lone.parent.mkdir(parents=True)
+    step.rename(lone)
+    with pytest.raises(FileNotFoundError, match="--config"):
+        locate_checkpoint(lone)
+    assert locate_checkpoint(lone, config=tmp_path / "run" / "config.yaml")[1] == tiny_model_cfg
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(position_embedding="rope"), r"model.normalization='layernorm'.*LlamaForCausalLM.*'rmsnorm'"),
+    (dict(position_embedding="rope", normalization="rmsnorm"), r"model.activation='gelu'.*'swiglu'"),
+    (dict(activation="swiglu"), r"model.activation='swiglu'.*GPT2LMHeadModel.*'gelu'"),
+    (dict(bias=False), r"model.bias=False.*GPT2LMHeadModel.*True"),
+    (dict(normalization="rmsnorm"), r"model.normalization='rmsnorm'.*'layernorm'"),
+    (dict(num_query_groups=2), r"model.num_query_groups=2.*grouped-query.*null or 4"),
+])
+def test_export_refuses_what_hf_cannot_represent(tiny_model_cfg, change, match):
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        export_arch(dataclasses.replace(tiny_model_cfg, **change))
+
+
+LLAMA_HF = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_hidden_layers=2,
+                intermediate_size=48, vocab_size=V, max_position_embeddings=T)
+
+
+@pytest.mark.parametrize("hf,match", [
+    (dict(model_type="bert"), r"model_type='bert'.*allowed: 'gpt2'.*'llama'"),
+    (dict(LLAMA_HF, hidden_act="gelu"), r"hidden_act='gelu'.*allowed: 'silu'"),
+    (dict(LLAMA_HF, rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_type='llama3'.*'default'"),
+    (dict(LLAMA_HF, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), r"rope_type='yarn'.*'default'"),
+    (dict(LLAMA_HF, attention_bias=True), r"attention_bias=True with mlp_bias=False"),
+    (dict(LLAMA_HF, head_dim=16), r"head_dim=16.*allowed: 8"),
+    (dict(model_type="gpt2", n_embd=32, n_head=4, n_layer=2, n_positions=T, vocab_size=V, activation_function="gelu"),
+     r"activation_function='gelu'.*'gelu_new'"),
+])
+def test_import_refuses_what_megalm_cannot_compute(hf, match):
+    with pytest.raises(UnsupportedArchitecture, match=match):
+        model_config_from_hf(hf, "x")
+
+
+def test_missing_files_are_named(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match=r"config.json does not exist"):
+        import_from_hf(tmp_path, tmp_path / "out")
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_HF))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"no safetensors weights.*pytorch_model.bin are pickle files"):
+        import_from_hf(tmp_path, tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*empty"):
+        export_to_hf(tmp_path / "empty", tmp_path / "hf")
+    # The CLI turns these into one line naming the command and the path.
+    with pytest.raises(SystemExit, match=r"megalm.convert export: .*nowhere does not exist"):
+        main(["export", str(tmp_path / "nowhere"), str(tmp_path / "hf")])
+    with pytest.raises(SystemExit) as e:
+        main(["import", "--help"])
+    assert e.value.code == 0 and "safetensors" in capsys.readouterr().out
+
+
+def test_cli_import_then_export(tmp_path, capsys):
+    hf = _hf_model("llama_gqa", tmp_path / "hf")
+    main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--name", "tiny"])
+    printed = capsys.readouterr().out
+    assert "model=tiny" in printed and "checkpoint.load=" in printed
+    with pytest.raises(SystemExit, match="not empty"):  # never overwrites without --force
+        main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    main(["export", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"])
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    tokens = _tokens()
+    with torch.no_grad():  # bf16 weights: equal up to bf16 rounding of the weights
+        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=0.1, rtol=0.05)
+
+
+def _train(rank, world, overrides, run_dir, model_yaml):
+    """megalm.train.run on one rank, with the model the import wrote (as --config-dir model=NAME gives)."""
+    from hydra import compose, initialize_config_dir
+
+    from megalm.config import conf_dir, register_configs
+    from megalm.train import run
+    from megalm.validation import validate
+    register_configs()
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=list(overrides)))
+    cfg.model = read_model_config(Path(model_yaml))
+    validate(cfg, world)
+    return run(cfg, Path(run_dir), world)
+
+
+def _val_losses(run_dir: Path):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss"] for r in recs if "val_loss" in r]
+
+
+def test_train_from_import_at_tp2_then_export_that_checkpoint(tmp_path):
+    """checkpoint.load of an import works at tp2 (the same start loss as one process), and a
+    checkpoint written by the 2-rank run exports to the model that megalm loads from it."""
+    from distributed import run_ranks
+    _hf_model("llama_gqa", tmp_path / "hf")
+    ckpt, _ = import_from_hf(tmp_path / "hf", tmp_path / "ckpt", name="tiny")
+    overrides = ["data=mock", "trainer.max_steps=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
+                 "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.progress_bar=false",
+                 "trainer.num_threads=1", "cluster.peak_flops=1e12", f"data.tokenizer.vocab_size={V}",
+                 f"checkpoint.load={ckpt}"]
+    yaml = str(ckpt / "conf" / "model" / "tiny.yaml")
+    _train(0, 1, overrides, tmp_path / "single", yaml)
+    run_ranks(2, _train, [*overrides, "parallel=tp2"], str(tmp_path / "tp2"), yaml)
+    single, tp2 = _val_losses(tmp_path / "single"), _val_losses(tmp_path / "tp2")
+    assert tp2 == pytest.approx(single, rel=1e-5) and len(tp2) == 2  # before and after the step
+
+    out = export_to_hf(tmp_path / "tp2", tmp_path / "hf_after")
+    step, cfg, _ = locate_checkpoint(tmp_path / "tp2")
+    assert step.name == "step_00000001"
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens = _tokens()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, _megalm_from(step, cfg)(tokens)[..., :V], **TOL)
+
+
+def test_export_copies_a_hugging_face_tokenizer(tmp_path, tiny_model_cfg):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from megalm.data.tokenizer import HuggingFaceTokenizer
+    words = ["<|endoftext|>", "[UNK]", "hello", "world"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tok.json"))
+    _save_run(tmp_path / "run", tiny_model_cfg)
+    HuggingFaceTokenizer(tmp_path / "tok.json").save_to(tmp_path / "run")
+    out = export_to_hf(tmp_path / "run", tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["eos_token_id"] == 0
+    hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tok("hello world")["input_ids"] == [2, 3] and hf_tok.eos_token == "<|endoftext|>"
+
+
+def test_import_refuses_weights_that_do_not_fit_the_config(tmp_path):
+    _hf_model("gpt2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=1)))
+    with pytest.raises(ValueError, match=r"tensors have no megalm counterpart.*transformer\.h\.1\."):
+        import_from_hf(tmp_path, tmp_path / "a")
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=V + 1)))
+    with pytest.raises(ValueError, match=r"transformer.wte.weight gives shape \(99, 32\).*implies \(100, 32\)"):
+        import_from_hf(tmp_path, tmp_path / "b")
+    (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
+    with pytest.raises(ValueError, match=r"lack transformer.h.2.ln_1.weight"):
+        import_from_hf(tmp_path, tmp_path / "c")
