@@ -70,7 +70,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                   + (f" optimizer={args.optimizer}" if args.optimizer != "adamw" else ""))
             if (out / "tokenizer.json").is_file():
                 print(f"  (its tokenizer: data.tokenizer.type=huggingface data.tokenizer.model={out / 'tokenizer.json'})")
-    except (FileNotFoundError, FileExistsError, ValueError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         raise SystemExit(f"megalm.convert {args.command}: {e}") from None
 
 

@@ -61,6 +61,15 @@ OPTIMIZER_STATE_NOTE = ("The checkpoint holds a fresh optimizer state (zero mome
                         "momentum) from it, so import with the optimizer preset you will train with")
 
 
+def _safetensors():
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ImportError("megalm.convert reads and writes Hugging Face weights with the `safetensors` "
+                          "package: pip install safetensors") from None
+    return safetensors
+
+
 class UnsupportedArchitecture(ValueError):
     """A megalm config or HF config.json that the other side cannot represent exactly."""
 
@@ -383,8 +392,7 @@ def _check_out_dir(out: Path, force: bool, marker: Iterable[str]) -> None:
 def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dtype: str = "float32",
                  force: bool = False, copy_tokenizer: bool = True) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) for a megalm checkpoint."""
-    from safetensors.torch import save_file
-
+    save_file = _safetensors().torch.save_file
     from megalm.models import build_model
     from megalm.training.checkpoint import STATE_FILE, load_model_weights
     if dtype not in DTYPES:
@@ -427,7 +435,7 @@ class SafetensorsFolder:
     """
 
     def __init__(self, folder: Path):
-        from safetensors import safe_open
+        safe_open = _safetensors().safe_open
         index = folder / "model.safetensors.index.json"
         if index.is_file():
             weight_map = json.loads(index.read_text()).get("weight_map")
