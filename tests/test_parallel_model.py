@@ -21,7 +21,8 @@ STEPS = 4
 BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
         f"trainer.max_steps={STEPS}", "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.log_interval=1",
         "trainer.progress_bar=false", "trainer.num_threads=1", "optimizer.warmup_steps=1", "optimizer.lr=1e-2",
-        "cluster.peak_flops=1e12", "checkpoint.save=false", "trainer.grad_clip=0.3"]
+        "cluster.peak_flops=1e12", "checkpoint.save=false", "trainer.grad_clip=0.3",
+        "parallel.bucket_size_mb=0.02"]  # ~5k-element buckets: a dozen for the dp runs to overlap
 # Two model families: GPT-2 style (learned positions, LayerNorm with bias, GELU, tied head) and
 # Llama style (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head).
 GPT2 = ["model.dropout=0.0"]
@@ -80,6 +81,15 @@ LAYOUTS = [
     ("gpt2", ["parallel=tp2_pp2", "parallel.sequence_parallel=true"], 4),
     ("llama", ["parallel=pp2_dp2"], 4),
     ("gpt2", ["parallel=tp2_pp2_dp2"], 8),
+    # ZeRO: optimizer state (1), and gradients (2) sharded over dp.
+    ("gpt2", ["parallel=dp2", "parallel.zero_stage=1"], 2),
+    ("gpt2", ["parallel=dp2", "parallel.zero_stage=2"], 2),
+    ("llama", ["parallel=tp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"], 4),
+    ("gpt2", ["parallel=tp2_dp2", "parallel.zero_stage=2"], 4),
+    ("gpt2", ["parallel=pp2_dp2", "parallel.zero_stage=1"], 4),
+    ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
+               "parallel.zero_stage=2"], 4),
+    ("gpt2", ["parallel=tp2_pp2_dp2", "parallel.zero_stage=1"], 8),
 ]
 
 

@@ -38,18 +38,18 @@ def test_scaler_follows_megatron_rules():
 
 def _fp16_with_inf_on_rank_1(rank, world, overrides, run_dir):
     import torch
-    import megalm.training.trainer as trainer_mod
+    from megalm.parallel.data import DataParallel
     from megalm.train import run
-    original = trainer_mod.finalize_grads
+    original = DataParallel.finish
     calls = []
 
-    def finalize_then_poison(model, mesh):
-        original(model, mesh)
+    def finish_then_poison(self):
+        original(self)
         calls.append(1)
         if rank == 1 and len(calls) == 3:  # the third step's gradients overflow on rank 1 only
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
+            self.grad_params[0].grad.view(-1)[0] = float("inf")
 
-    trainer_mod.finalize_grads = finalize_then_poison
+    DataParallel.finish = finish_then_poison
     cfg = load(*overrides)
     return run(cfg, Path(run_dir), world)
 

@@ -97,14 +97,16 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         pipeline = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"],
                                   mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
-    optimizer = build_optimizer(cfg.optimizer, model)
+    from megalm.parallel.data import build_data_parallel
+    data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None)
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
     metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
                            OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer, metrics=metrics, mesh=mesh, pipeline=pipeline,
+        checkpointer=checkpointer, metrics=metrics, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0)
     latest = checkpointer.latest()

@@ -2,8 +2,8 @@
 
 - Sequence parallel: norms (and row-parallel biases) see only this rank's sequence shard, so
   their gradients are partial sums over the tp group (Megatron: arXiv:2205.05198, sec. 4.2.2).
-- Data parallel: gradients are averaged over the dp group, coalesced into one flat buffer so a
-  step issues one all-reduce rather than one per parameter.
+- Data parallel: gradients are averaged over the dp group (megalm.parallel.data buckets and
+  overlaps this; `finalize_grads` here is the unbucketed form for scripts).
 - Tied embedding across pipeline stages: the first stage's embedding and the last stage's head
   copy get the sum of both gradients (Megatron's embedding group).
 - Norm: parameters sharded over tp (`tp_shard`) contribute their squares summed across the tp
@@ -33,28 +33,39 @@ def _all_reduce_coalesced(grads: List[torch.Tensor], group, scale: float = 1.0) 
         g.copy_(reduced)
 
 
+def sum_replicas(sp: List[torch.Tensor], tp_group, tied: List[torch.Tensor], embedding_group) -> None:
+    """Sum `sp` (gradients of sequence-parallel parameters) over tp, and `tied` (the tied
+    embedding's, first stage, or its head copy's, last stage) over the embedding group."""
+    if tp_group is not None and dist.get_world_size(tp_group) > 1:
+        _all_reduce_coalesced(sp, tp_group)
+    if embedding_group is not None:
+        _all_reduce_coalesced(tied, embedding_group)
+
+
 def finalize_grads(model: nn.Module, mesh) -> None:
-    """Make every rank's gradients the gradients of the global batch's mean loss."""
+    """Unbucketed gradient synchronisation after backward, for scripts that drive a model by hand
+    (the trainer uses megalm.parallel.data.DataParallel, which overlaps the dp reduction)."""
     if mesh is None:
         return
     tp, dp = mesh["tp"], mesh["dp"]
-    if tp.size() > 1:
-        partial = [p.grad for p in model.parameters()
-                   if p.grad is not None and getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(partial, tp.get_group())
     group = getattr(model, "embedding_group", None)
-    if group is not None:  # tied embedding (first stage) and head (last stage): sum their gradients
+    tied = []
+    if group is not None:
         weight = model.embed.tok.weight if model.embed is not None else model.head.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        all_reduce_sum(weight.grad, group)
+        tied = [weight.grad]
+    sp = [p.grad for p in model.parameters() if p.grad is not None and getattr(p, "sequence_parallel", False)]
+    sum_replicas(sp, tp.get_group(), tied, group)
     if dp.size() > 1:
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         _all_reduce_coalesced(grads, dp.get_group(), scale=1.0 / dp.size())
 
 
-def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None) -> torch.Tensor:
-    """Squared global L2 norm of the gradients, each parameter counted once across tp and pp."""
+def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, dp_group=None) -> torch.Tensor:
+    """Squared global L2 norm of the gradients, each parameter counted once across tp and pp.
+
+    With `dp_group` the params are ZeRO shards, disjoint over dp: their sums add up over it."""
     sharded, replicated = [], []
     for p in params:
         if p.grad is not None and getattr(p, "tied_copy_of", None) is None:
@@ -66,18 +77,22 @@ def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None) -
         return torch.stack([torch.linalg.vector_norm(g.float()) ** 2 for g in grads]).sum()
 
     total_sharded = sq(sharded)
+    total_replicated = sq(replicated).to(total_sharded.device)
+    if dp_group is not None:
+        both = all_reduce_sum(torch.stack([total_sharded, total_replicated]), dp_group)
+        total_sharded, total_replicated = both[0], both[1]
     if tp_group is not None:
         all_reduce_sum(total_sharded, tp_group)
-    total = total_sharded + sq(replicated).to(total_sharded.device)
+    total = total_sharded + total_replicated
     if pp_group is not None:  # stages hold disjoint layers
         all_reduce_sum(total, pp_group)
     return total
 
 
 def clip_grads(params: List[nn.Parameter], max_norm: float, tp_group=None,
-               pp_group=None) -> Tuple[torch.Tensor, bool]:
+               pp_group=None, dp_group=None) -> Tuple[torch.Tensor, bool]:
     """Global gradient norm before clipping, and whether it was finite; scales grads to max_norm."""
-    norm = grad_norm_sq(params, tp_group, pp_group).sqrt()
+    norm = grad_norm_sq(params, tp_group, pp_group, dp_group).sqrt()
     finite = bool(torch.isfinite(norm))
     if max_norm > 0 and finite:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

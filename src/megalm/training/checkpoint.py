@@ -73,6 +73,14 @@ def resolve(path: str | Path) -> Path:
     raise FileNotFoundError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
 
 
+def _state_dicts(model: torch.nn.Module, optimizer):
+    """Model and flattened optimizer state dicts; a ZeRO optimizer gives its state gathered to full
+    parameter-shaped tensors under the same keys, so every zero stage writes the same checkpoint."""
+    if hasattr(optimizer, "flat_state_dict"):
+        return get_model_state_dict(model), optimizer.flat_state_dict()
+    return get_state_dict(model, optimizer, options=OPTIONS)
+
+
 def _shards(model: torch.nn.Module) -> Dict[str, Any]:
     """Global parameter name → TPShard, for this rank's tensor-parallel shards."""
     return {n: p.tp_shard for n, p in model.named_parameters(remove_duplicate=False)
@@ -159,7 +167,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+        model_sd, optim_sd = _state_dicts(model, optimizer)
         _to_canonical(model, model_sd, optim_sd, self.tp_group)
         state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
         _quiet(dcp.save, state, checkpoint_id=str(tmp))
@@ -193,13 +201,17 @@ class Checkpointer:
             _from_canonical(back)
             set_model_state_dict(model, state["model"])
         else:
-            model_sd, optim_sd = get_state_dict(model, optimizer, options=OPTIONS)
+            model_sd, optim_sd = _state_dicts(model, optimizer)
             back = _canonical_templates(model, model_sd, optim_sd)
             state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
             _quiet(dcp.load, state, checkpoint_id=str(path))
             _from_canonical(back)
-            set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                           options=OPTIONS)
+            if hasattr(optimizer, "load_flat_state_dict"):  # ZeRO: each rank keeps its shard of the state
+                set_model_state_dict(model, state["model"])
+                optimizer.load_flat_state_dict(state["optim"])
+            else:
+                set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                               options=OPTIONS)
             set_rng_state(state["rng"])
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())

@@ -4,7 +4,8 @@ Megatron's accounting (its distributed-optimizer notes; ZeRO, arXiv:1910.02054):
 weights (2 bytes), fp32 gradients (4) and an fp32 master copy plus Adam's two moments (4 + 4 + 4),
 a parameter costs 18 bytes without sharding and 6 + 12/dp with the optimizer state sharded over
 dp. megalm keeps fp32 weights (autocast casts them per op) and fp32 gradients, and the weights
-are their own master copy, so today every precision costs 4 + 4 + 8 = 16 bytes per parameter.
+are their own master copy, so every precision costs 4 + 4 + 8 = 16 bytes per parameter unsharded,
+4 + 4 + 8/dp under ZeRO-1, 4 + 12/dp under ZeRO-2 and 16/dp under ZeRO-3.
 Activations are not model state and are not counted here.
 """
 
@@ -27,11 +28,17 @@ def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, mast
     return shard(weight_bytes, 3) + shard(grad_bytes, 2) + shard(optimizer, 1)
 
 
-def measured_model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Dict[str, int]:
-    """What this rank holds now: weights, gradients and optimizer state, in bytes."""
+def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=None) -> Dict[str, int]:
+    """What this rank holds now: weights, gradients and optimizer state, in bytes.
+
+    With a megalm.parallel.data.DataParallel the gradients are its buckets (full, or the ZeRO
+    shard), which the parameters' .grad views or has been freed into."""
     params = list(model.parameters())  # a tied weight is one tensor, counted once
     weights = sum(p.numel() * p.element_size() for p in params)
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    if data_parallel is not None:
+        grads = data_parallel.grad_bytes()
+    else:
+        grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)  # Adam's scalar `step` is not model state
     return {"params": sum(p.numel() for p in params), "weights": weights, "grads": grads, "optimizer": state}

@@ -22,8 +22,21 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(cfg: OptimizerConfig, model: nn.Module) -> torch.optim.Optimizer:
-    groups = param_groups(model, cfg.weight_decay)
+def build_optimizer(cfg: OptimizerConfig, model: nn.Module, data_parallel=None):
+    """The optimizer of `model`; under ZeRO (data_parallel sharded) one over this rank's shards."""
+    if data_parallel is not None and data_parallel.sharded:
+        from megalm.parallel.data import ZeroOptimizer
+        decay, no_decay = [], []
+        for s in data_parallel.shards:  # a shard is 1-D: decay follows the parameter it belongs to
+            (decay if s.param.ndim >= 2 else no_decay).append(s.tensor)
+        groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
+        names = {p: n for n, p in model.named_parameters()}
+        return ZeroOptimizer(_make(cfg, groups), data_parallel, names)
+    return _make(cfg, param_groups(model, cfg.weight_decay))
+
+
+def _make(cfg: OptimizerConfig, groups: List[dict]) -> torch.optim.Optimizer:
     if cfg.name == "adamw":
         # Decoupled weight decay (arXiv:1711.05101); foreach kernels are the fast path on CPU and GPU.
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)

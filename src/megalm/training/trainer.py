@@ -16,7 +16,7 @@ from megalm.config import TrainerConfig
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.models.gpt import IGNORE
-from megalm.parallel.grads import clip_grads, finalize_grads, mean_over
+from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
 
@@ -27,13 +27,16 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, metrics: MetricLogger,
                  throughput: Throughput, device: torch.device, mesh=None, pipeline=None,
-                 is_rank0: bool = True):
+                 data_parallel=None, is_rank0: bool = True):
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
         self.device, self.is_rank0, self.mesh, self.pipeline = device, is_rank0, mesh, pipeline
         self.pp_group = mesh["pp"].get_group() if mesh is not None and mesh["pp"].size() > 1 else None
-        self.params = list(model.parameters())
+        self.data_parallel = data_parallel
+        # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
+        self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
+        self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
         self.tp_group = mesh["tp"].get_group() if mesh is not None else None
         self.dp_group = mesh["dp"].get_group() if mesh is not None else None
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
@@ -95,7 +98,8 @@ class Trainer:
                     loss = self.model(x, y) / len(micro_batches)
                 (loss * scale if scale != 1.0 else loss).backward()
                 total += loss.detach()
-        finalize_grads(self.model, self.mesh)
+        if self.data_parallel is not None:
+            self.data_parallel.finish()  # wait for the dp reductions; sum tp / embedding replicas
         overflow = False
         if self.scaler is not None:
             overflow = self.scaler.unscale_and_check(self.params)  # agreed over every rank
@@ -106,7 +110,8 @@ class Trainer:
             log.warning("step %d: fp16 gradients overflowed at loss scale %g on some rank; every rank skips "
                         "the update (loss scale now %g)", self.step + 1, scale, self.scaler.scale)
         else:
-            norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group)
+            norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group,
+                                      self.shard_group)
             if finite:
                 self.optimizer.step()
             else:

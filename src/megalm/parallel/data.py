@@ -1,0 +1,357 @@
+"""Data parallelism: bucketed gradient reduction overlapped with backward, and ZeRO stages 1 and 2.
+
+Parameters are grouped, in roughly the order backward produces their gradients (the reverse of
+registration), into buckets of `parallel.bucket_size_mb`. A post-accumulate-grad hook counts how
+many times each parameter's gradient was accumulated in the step; when it reaches the number a
+whole step accumulates (every micro-batch, under any pipeline schedule), the gradient is copied
+into its bucket's flat buffer and freed, and a bucket whose gradients are all in launches its
+collective asynchronously while backward goes on. So gradient accumulation never communicates
+on non-final micro-batches, and one collective moves a whole bucket. The count per step is
+learned in the first step (which reduces every bucket after backward), since it depends on the
+schedule (ZBV runs a tied embedding and head as two stages of one rank, so two accumulations a
+micro-batch).
+
+- zero_stage 0: all-reduce each bucket; gradients are averaged and replicated.
+- zero_stage 1 (Megatron's distributed optimizer; ZeRO, arXiv:1910.02054): reduce-scatter each
+  bucket in place, so rank r holds the averaged gradient of the r-th 1/dp of the bucket; the optimizer
+  state exists only for that shard; after the update each bucket's parameters are all-gathered.
+  Parameters are views into the buckets' flat parameter buffers, so the all-gather writes the
+  model in place. A reduce-scatter plus an all-gather move what one all-reduce moves.
+- zero_stage 2: as 1, and the full gradient buffer of a bucket is freed once it is scattered, so
+  between steps a rank holds only its 1/dp of the gradients.
+
+Why not torch's DDP and ZeroRedundancyOptimizer: DDP must wrap the module a schedule calls, but a
+pipeline stage here is a view over a shared model and zero-bubble schedules split backward into
+input and weight passes, which DDP's reducer does not follow; ZeroRedundancyOptimizer assigns
+whole parameters to ranks and broadcasts them, moving more than a reduce-scatter + all-gather and
+leaving a state dict DCP cannot reshard. ZeRO-3 uses FSDP2 (`megalm.parallel.fsdp`).
+
+Replicated-across-tp gradients (sequence-parallel norms) are summed over tp and the tied
+embedding's over the embedding group after the dp reduction, on whatever this rank holds (the
+full gradient, or its shard: ranks of one tp or embedding group lay out their buckets alike, and
+the tied embedding gets a bucket of its own so both stages shard it identically).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from megalm.distributed.comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
+from megalm.parallel.grads import sum_replicas
+
+# Tags of a model parameter that its ZeRO shard carries (for the norm and the replica sums).
+SHARD_TAGS = ("tp_shard", "sequence_parallel", "tied_copy_of")
+
+
+@dataclass
+class Shard:
+    """The part of one parameter that this rank's optimizer owns: param.view(-1)[start:stop]."""
+    param: nn.Parameter
+    start: int
+    stop: int
+    tensor: torch.Tensor  # a 1-D leaf aliasing those elements of the parameter's storage
+    local: slice          # where those elements sit in the bucket's gradient shard
+
+
+@dataclass
+class Bucket:
+    params: List[nn.Parameter]
+    offsets: List[int]
+    size: int        # elements, padded to a multiple of dp
+    shard_size: int  # size / dp
+    grad: Optional[torch.Tensor] = None        # full flat gradient
+    grad_shard: Optional[torch.Tensor] = None  # this rank's reduced chunk (zero >= 1)
+    param_buf: Optional[torch.Tensor] = None   # flat parameters the model's params view (zero >= 1)
+    shards: List[Shard] = field(default_factory=list)
+    ready: int = 0
+    work: object = None
+
+
+class DataParallel:
+    """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
+
+    def __init__(self, model: nn.Module, mesh, zero_stage: int = 0, bucket_size_mb: float = 25.0):
+        self.model, self.zero_stage = model, zero_stage
+        dp = mesh["dp"]
+        self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
+        self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
+        self.embedding_group = getattr(model, "embedding_group", None)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.tied = None
+        if self.embedding_group is not None:
+            self.tied = model.embed.tok.weight if model.embed is not None else model.head.weight
+        self.buckets: List[Bucket] = []
+        self.where: Dict[nn.Parameter, tuple] = {}
+        self.expected: Optional[Dict[nn.Parameter, int]] = None  # accumulations per step, from step 1
+        self.counts: Dict[nn.Parameter, int] = {}
+        self.done: set = set()  # parameters whose gradient is in its bucket this step
+        if self.dp == 1 and zero_stage == 0:
+            return  # nothing to reduce over dp: gradients stay where autograd puts them
+        device = self.params[0].device
+        self._build_buckets(int(bucket_size_mb * 2**20 / 4), device)
+        if zero_stage >= 1:
+            self._shard_parameters(device)
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _build_buckets(self, cap: int, device) -> None:
+        groups: List[List[nn.Parameter]] = []
+        current: List[nn.Parameter] = []
+        filled = 0
+        for p in reversed(self.params):  # backward produces the last layers' gradients first
+            if p is self.tied:  # its own bucket: both stages of the embedding group shard it alike
+                groups.append([p])
+                continue
+            if current and filled + p.numel() > cap:
+                groups.append(current)
+                current, filled = [], 0
+            current.append(p)
+            filled += p.numel()
+        if current:
+            groups.append(current)
+        for params in groups:
+            offsets, n = [], 0
+            for p in params:
+                offsets.append(n)
+                n += p.numel()
+            size = math.ceil(n / self.dp) * self.dp
+            bucket = Bucket(params, offsets, size, size // self.dp)
+            lo = self.dp_rank * bucket.shard_size
+            if self.zero_stage <= 1:  # persistent full gradient buffer; zero 2 allocates it per step
+                bucket.grad = torch.zeros(size, dtype=torch.float32, device=device)
+            if self.zero_stage == 1:  # reduce-scattered in place, as Megatron's distributed optimizer
+                bucket.grad_shard = bucket.grad[lo:lo + bucket.shard_size]
+            elif self.zero_stage == 2:
+                bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
+            for i, p in enumerate(params):
+                self.where[p] = (bucket, offsets[i])
+            self.buckets.append(bucket)
+
+    def _shard_parameters(self, device) -> None:
+        """Move parameters into flat per-bucket buffers and cut out this rank's shard of each."""
+        for b in self.buckets:
+            b.param_buf = torch.zeros(b.size, dtype=self.params[0].dtype, device=device)
+            lo, hi = self.dp_rank * b.shard_size, (self.dp_rank + 1) * b.shard_size
+            for p, off in zip(b.params, b.offsets):
+                view = b.param_buf[off:off + p.numel()]
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+                start, stop = max(lo, off) - off, min(hi, off + p.numel()) - off
+                if start >= stop:
+                    continue
+                local = slice(off + start - lo, off + stop - lo)
+                t = nn.Parameter(b.param_buf[off + start:off + stop], requires_grad=True)  # an alias
+                t.grad = b.grad_shard[local]
+                for tag in SHARD_TAGS:
+                    if hasattr(p, tag):
+                        setattr(t, tag, getattr(p, tag))
+                b.shards.append(Shard(p, start, stop, t, local))
+
+    @property
+    def shards(self) -> List[Shard]:
+        return [s for b in self.buckets for s in b.shards]
+
+    @property
+    def sharded(self) -> bool:
+        return self.zero_stage >= 1
+
+    @property
+    def grad_params(self) -> List[torch.Tensor]:
+        """The tensors holding this rank's final gradients: the parameters, or their ZeRO shards."""
+        return [s.tensor for s in self.shards] if self.sharded else self.params
+
+    # -- backward --------------------------------------------------------------------------------
+    def _on_grad(self, p: nn.Parameter) -> None:
+        if self.expected is None:  # first step: learn how many accumulations a step makes
+            self.counts[p] = self.counts.get(p, 0) + 1
+            return
+        count = self.counts[p] = self.counts.get(p, 0) + 1
+        if count > self.expected[p]:
+            raise RuntimeError(f"a gradient was accumulated {count} times in one step, more than the "
+                               f"{self.expected[p]} of the first step; its bucket was already reduced")
+        if count == self.expected[p]:
+            self._ready(p)
+
+    def _ready(self, p: nn.Parameter) -> None:
+        bucket, off = self.where[p]
+        if bucket.grad is None:
+            bucket.grad = torch.zeros(bucket.size, dtype=torch.float32, device=p.device)
+        dst = bucket.grad[off:off + p.numel()]
+        if p.grad is None:
+            dst.zero_()
+        else:
+            dst.copy_(p.grad.reshape(-1))
+        p.grad = None
+        self.done.add(p)
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, b: Bucket) -> None:
+        if self.sharded:
+            b.work = bucket_reduce_scatter(b.grad_shard, b.grad, self.dp_group, async_op=True)
+        else:
+            b.work = bucket_all_reduce(b.grad, self.dp_group, async_op=True)
+
+    def finish(self) -> None:
+        """After the step's backward: wait for every bucket, average, and sum the replicas."""
+        if self.buckets:
+            for b in self.buckets:  # first step, or a parameter that got no gradient: launch now
+                for p in b.params:
+                    if p not in self.done:
+                        self._ready(p)
+            if self.expected is None:
+                self.expected = {p: self.counts.get(p, 1) for p in self.params}
+            for b in self.buckets:
+                b.work.wait()
+                b.work, b.ready = None, 0
+                if self.sharded:
+                    b.grad_shard.div_(self.dp)
+                    if self.zero_stage >= 2:
+                        b.grad = None
+                else:
+                    b.grad.div_(self.dp)
+                    for p, off in zip(b.params, b.offsets):
+                        p.grad = b.grad[off:off + p.numel()].view_as(p)
+            self.counts.clear()
+            self.done.clear()
+        self._sum_replicas()
+
+    def _sum_replicas(self) -> None:
+        grads = [(t, t.grad) for t in self.grad_params if t.grad is not None]
+        sp = [g for t, g in grads if getattr(t, "sequence_parallel", False)]
+        tied = []
+        if self.tied is not None:
+            if self.sharded:
+                tied = [s.tensor.grad for s in self.shards if s.param is self.tied]
+            else:
+                if self.tied.grad is None:
+                    self.tied.grad = torch.zeros_like(self.tied)
+                tied = [self.tied.grad]
+        sum_replicas(sp, self.tp_group, tied, self.embedding_group)
+
+    # -- after the update ------------------------------------------------------------------------
+    def gather_params(self) -> None:
+        """ZeRO: every rank gets every bucket's updated parameters (in place in the model)."""
+        works = []
+        for b in self.buckets:  # in place: this rank's chunk is already where the output wants it
+            mine = b.param_buf[self.dp_rank * b.shard_size:(self.dp_rank + 1) * b.shard_size]
+            works.append(bucket_all_gather(b.param_buf, mine, self.dp_group, async_op=True))
+        for w in works:
+            w.wait()
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.counts.clear()
+        self.done.clear()
+
+    def grad_bytes(self) -> int:
+        """Bytes of gradient storage this rank holds now: its buckets (whose views the parameters'
+        gradients are after `finish`), or the parameters' own gradients when there are none."""
+        if not self.buckets:
+            return sum(p.grad.numel() * p.grad.element_size() for p in self.params if p.grad is not None)
+        total = 0
+        for b in self.buckets:
+            if b.grad is not None:
+                total += b.grad.numel() * b.grad.element_size()
+            if self.zero_stage == 2:  # its own buffer (under ZeRO-1 it is a view of b.grad)
+                total += b.grad_shard.numel() * b.grad_shard.element_size()
+        return total
+
+
+class ZeroOptimizer:
+    """A torch optimizer over this rank's ZeRO shards; each step ends with the parameter all-gather.
+
+    Its checkpoint form (`flat_state_dict`) is the one DCP's flattened optimizer state dict has
+    for an unsharded optimizer, "state.<param name>.<key>" with full parameter-shaped tensors, so a
+    checkpoint moves freely between zero stages and dp degrees.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, dp: DataParallel, names: Dict[nn.Parameter, str]):
+        self.inner, self.dp, self.names = inner, dp, names
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def step(self) -> None:
+        self.inner.step()
+        self.dp.gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.dp.zero_grad()  # the shards' gradients are views into the buckets and stay
+
+    def _ensure_state(self) -> None:
+        """Create the optimizer's lazy state (Adam's moments) with a zero-lr step on zero gradients."""
+        if self.inner.state:
+            return
+        tensors = [s.tensor for s in self.dp.shards]
+        grads = [t.grad for t in tensors]  # views into the buckets' gradient shards: keep them
+        for t in tensors:
+            t.grad = torch.zeros_like(t)
+        lrs = [g["lr"] for g in self.inner.param_groups]
+        for g in self.inner.param_groups:
+            g["lr"] = 0.0
+        self.inner.step()
+        for g, lr in zip(self.inner.param_groups, lrs):
+            g["lr"] = lr
+        for t, g in zip(tensors, grads):
+            t.grad = g
+
+    def _state_keys(self) -> List[str]:
+        self._ensure_state()
+        first = next(iter(self.inner.state.values()))
+        return [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
+
+    def flat_state_dict(self) -> Dict[str, object]:
+        """Full, parameter-shaped optimizer state of every parameter (collective over dp)."""
+        keys = self._state_keys()
+        out: Dict[str, object] = {}
+        step = next(iter(self.inner.state.values())).get("step")
+        hyper = {id(t): g for g in self.inner.param_groups for t in g["params"]}
+        for b in self.dp.buckets:
+            for key in keys:
+                local = torch.zeros(b.shard_size, dtype=torch.float32, device=b.param_buf.device)
+                for s in b.shards:
+                    local[s.local] = self.inner.state[s.tensor][key]
+                full = torch.empty(b.size, dtype=torch.float32, device=local.device)
+                bucket_all_gather(full, local, self.dp.dp_group)
+                for p, off in zip(b.params, b.offsets):
+                    out[f"state.{self.names[p]}.{key}"] = full[off:off + p.numel()].view_as(p).clone()
+            for p in b.params:
+                name = self.names[p]
+                if step is not None:
+                    out[f"state.{name}.step"] = step.clone() if torch.is_tensor(step) else step
+                group = next((hyper[id(s.tensor)] for s in b.shards if s.param is p), self.inner.param_groups[0])
+                for k, v in group.items():
+                    if k != "params":
+                        out[f"param_groups.{name}.{k}"] = v
+        return out
+
+    def load_flat_state_dict(self, sd: Dict[str, object]) -> None:
+        keys = self._state_keys()
+        for s in self.dp.shards:
+            name, state = self.names[s.param], self.inner.state[s.tensor]
+            for key in keys:
+                state[key] = sd[f"state.{name}.{key}"].reshape(-1)[s.start:s.stop].clone().to(s.tensor.device)
+            if f"state.{name}.step" in sd:
+                step = sd[f"state.{name}.step"]
+                state["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+def build_data_parallel(model: nn.Module, mesh, zero_stage: int, bucket_size_mb: float) -> Optional[DataParallel]:
+    """The gradient synchroniser of a distributed run; None in a single process."""
+    if mesh is None:
+        return None
+    return DataParallel(model, mesh, zero_stage, bucket_size_mb)

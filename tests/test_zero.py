@@ -1,0 +1,131 @@
+"""Data parallelism with bucketed, overlapped reduction and ZeRO 1/2, on gloo ranks.
+
+The loss curves at every zero stage and layout are checked against the single process in
+test_parallel_model.py; here: when and what the buckets communicate, the memory each stage
+holds against Megatron's formula, and checkpoints moving between zero stages and dp degrees.
+"""
+
+import math
+from pathlib import Path
+
+import pytest
+
+from distributed import run_ranks
+from test_parallel_model import BASE, GPT2, LLAMA, _rank_run, load, losses
+from megalm.validation import validate
+
+
+def _build(world, zero_stage, bucket_mb, family=GPT2):
+    import torch
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.parallel.data import build_data_parallel
+    from megalm.training.optim import build_optimizer
+    cfg = load(*BASE, *family, f"parallel=dp{world}", f"parallel.zero_stage={zero_stage}")
+    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    init_weights(model, cfg.model, 0)
+    dp = build_data_parallel(model, mesh, zero_stage, bucket_mb)
+    opt = build_optimizer(cfg.optimizer, model, dp)
+    g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    batches = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=g) for _ in range(2)]
+    return cfg, model, dp, opt, batches
+
+
+def _comm_timeline(rank, world, zero_stage):
+    """Three steps of two micro-batches; the collectives seen inside each backward and after it."""
+    from megalm.distributed.comm import count_comm
+    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02)
+    steps = []
+    for _ in range(3):
+        seen = []
+        for x in batches:
+            with count_comm() as stats:
+                (model(x[:, :-1], x[:, 1:]) / len(batches)).backward()
+            seen.append(dict(stats.bytes))
+        with count_comm() as fin:
+            dp.finish()
+        with count_comm() as upd:
+            opt.step()
+        opt.zero_grad()
+        steps.append((seen, dict(fin.bytes), dict(upd.bytes)))
+    return steps, [b.size for b in dp.buckets], dp.dp
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(zero_stage):
+    world = 2
+    (steps, sizes, dp), _ = run_ranks(world, _comm_timeline, zero_stage)
+    assert len(sizes) > 3  # several buckets, so there is something to overlap
+    total = 4 * sum(sizes)  # fp32 bytes of every bucket (padded to a multiple of dp)
+    assert all(s % dp == 0 for s in sizes)
+    dp_kind = "all_reduce" if zero_stage == 0 else "reduce_scatter"
+    for i, (seen, fin, upd) in enumerate(steps):
+        assert seen[0] == {}, "the first micro-batch's backward must not communicate"
+        if i == 0:  # the first step learns how many accumulations a step makes: all after backward
+            assert seen[1] == {} and fin == {dp_kind: total}
+        else:  # later steps launch every bucket inside the last backward, as its gradients complete
+            assert seen[1] == {dp_kind: total} and fin == {}
+        # ZeRO: the update ends with each rank's 1/dp of every bucket all-gathered.
+        assert upd == ({} if zero_stage == 0 else {"all_gather": total // dp})
+    # Ring cost: all-reduce 2(p-1)/p N; reduce-scatter (p-1)/p N + all-gather (p-1) N/p: the same.
+    ring = {"all_reduce": 2 * (dp - 1) / dp, "reduce_scatter": (dp - 1) / dp, "all_gather": dp - 1}
+    _, fin, upd = steps[0]
+    cost = sum(ring[k] * v for part in (fin, upd) for k, v in part.items())
+    assert cost == pytest.approx(2 * (dp - 1) / dp * total)
+
+
+def _state_bytes(rank, world, zero_stage):
+    from megalm.training.memory import measured_model_state_bytes
+    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02)
+    for x in batches:
+        model(x[:, :-1], x[:, 1:]).backward()
+    dp.finish()
+    opt.step()
+    return measured_model_state_bytes(model, opt, dp), sum(b.size - sum(p.numel() for p in b.params)
+                                                             for b in dp.buckets)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+def test_model_state_memory_per_rank_matches_the_formula(zero_stage):
+    """fp32 weights (their own master copy), fp32 gradients, Adam's two moments: 16 bytes a
+    parameter unsharded; ZeRO-1 divides the moments by dp, ZeRO-2 the gradients too."""
+    from megalm.training.memory import expected_bytes_per_param
+    world = 2
+    for got, padding in run_ranks(world, _state_bytes, zero_stage):
+        n = got["params"]
+        expected = expected_bytes_per_param(zero_stage=zero_stage, dp=world) * n
+        measured = got["weights"] + got["grads"] + got["optimizer"]
+        # Buckets pad to a multiple of dp: at most dp - 1 elements each, in the gradients and moments.
+        assert abs(measured - expected) <= 4 * 3 * padding + 1e-9
+        assert got["optimizer"] == pytest.approx(8 * n / (world if zero_stage else 1), abs=8 * padding)
+        assert got["grads"] == pytest.approx(4 * n / (world if zero_stage >= 2 else 1), abs=4 * padding)
+
+
+def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):
+    """Saved at dp2 zero-1 after step 2; continued at dp2 zero-2, at dp4 zero-0 and in one
+    process, every continuation equals the uninterrupted dp2 zero-1 run."""
+    from megalm.train import run
+    common = [*BASE, *LLAMA, "checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=4"]
+    straight = tmp_path / "straight"
+    run_ranks(2, _rank_run, [*common, "parallel=dp2", "parallel.zero_stage=1"], str(straight))
+    ref, _ = losses(straight)
+    saved = straight / "checkpoints" / "step_00000002"
+    for world, layout in ((2, ["parallel=dp2", "parallel.zero_stage=2"]), (4, ["parallel=dp4"])):
+        out = tmp_path / f"dp{world}"
+        run_ranks(world, _rank_run, [*common, *layout, f"checkpoint.load={saved}"], str(out))
+        assert losses(out)[0] == pytest.approx(ref[2:], rel=1e-5), layout
+    single = tmp_path / "single"
+    run(load(*common, f"checkpoint.load={saved}"), single, 1)
+    assert losses(single)[0] == pytest.approx(ref[2:], rel=1e-5)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("parallel.bucket_size_mb=0", "parallel.bucket_size_mb=0"),
+    ("parallel.zero_stage=4", "parallel.zero_stage=4 is not one of 0, 1, 2, 3"),
+])
+def test_bad_data_parallel_settings(override, message):
+    cfg = load(*BASE, *GPT2, "parallel=dp2", override)
+    with pytest.raises(ValueError, match=message.replace(".", r"\.")):
+        validate(cfg, 2)
