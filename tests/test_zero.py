@@ -129,3 +129,26 @@ def test_bad_data_parallel_settings(override, message):
     cfg = load(*BASE, *GPT2, "parallel=dp2", override)
     with pytest.raises(ValueError, match=message.replace(".", r"\.")):
         validate(cfg, 2)
+
+
+def test_finetune_takes_the_weights_only(tmp_path):
+    """checkpoint.finetune: the saved weights (its evaluation before step 1 equals the source
+    run's last one), but step 0, a fresh optimizer and the data from the start, at another layout."""
+    import json
+    from megalm.train import run
+    source = tmp_path / "source"
+    run(load(*BASE, *GPT2, "checkpoint.save=true", "trainer.max_steps=2"), source, 1)
+    _, source_val = losses(source)
+    tuned = tmp_path / "tuned"
+    run_ranks(2, _rank_run, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=1", "checkpoint.finetune=true",
+                             f"checkpoint.load={source / 'checkpoints'}"], str(tuned))
+    records = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert steps[0]["consumed_samples"] == 8  # one global batch: the data started again
+    assert records[0]["val_loss"] == pytest.approx(source_val[-1], rel=1e-5)
+
+
+def test_finetune_needs_a_checkpoint():
+    with pytest.raises(ValueError, match="checkpoint.finetune=true takes the weights of checkpoint.load"):
+        validate(load(*BASE, *GPT2, "checkpoint.finetune=true"), 1)

@@ -113,7 +113,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     if latest is not None:  # auto-resume: the run directory already holds a complete checkpoint
         trainer.load(latest)
     elif cfg.checkpoint.load:
-        trainer.load(cfg.checkpoint.load)
+        trainer.load(cfg.checkpoint.load, weights_only=cfg.checkpoint.finetune)
     return trainer.fit()
 
 

@@ -127,6 +127,8 @@ def validate(cfg: Config, world_size: int) -> None:
                        ("trainer.loss_scale", t.loss_scale if t.loss_scale is not None else 1.0)):
         if value <= 0:
             raise ValueError(f"{key}={value} must be positive")
+    if cfg.checkpoint.finetune and not cfg.checkpoint.load:
+        raise ValueError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
     if cfg.checkpoint.async_save:
         raise ValueError("checkpoint.async_save=true is not available yet; use false")
     if p.pp > 1:

@@ -71,7 +71,10 @@ class Trainer:
             self.skipped_steps = saved.get("skipped_steps", 0)
             if self.scaler is not None and "loss_scaler" in saved:
                 self.scaler.load_state_dict(saved["loss_scaler"])
-        log.info("resuming at step %d (consumed samples %d)", self.step, self.loader.consumed_samples)
+            log.info("resuming at step %d (consumed samples %d)", self.step, self.loader.consumed_samples)
+        else:
+            log.info("fine-tuning from the weights of %s (saved at step %d): step 0, a fresh optimizer",
+                     path, saved.get("step", 0))
 
     def _autocast(self):
         return autocast(self.cfg.precision, self.device.type)
