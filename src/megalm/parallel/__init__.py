@@ -3,8 +3,8 @@
 Order (each step assumes the previous ones): pipeline split (keep only this rank's layers) →
 tensor parallel (swap linears and embeddings for sharded ones while the model is still on the
 meta device, so no full weight is allocated) → activation recomputation (it must see the tp
-dropout stream to replay it) → data parallel. Data parallelism is plain gradient averaging in
-`finalize_grads` for now; ZeRO is refused by `validate` until it lands.
+dropout stream to replay it). Data parallelism (buckets, ZeRO) comes after the weights exist:
+`megalm.parallel.data.build_data_parallel`, since ZeRO moves the parameters into flat buffers.
 """
 
 from __future__ import annotations
@@ -57,7 +57,6 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> n
     # 3. Activation recomputation, after TP so it sees (and replays) the tp dropout stream.
     plan = getattr(model, "pp_plan", None)
     apply_recompute(model, cfg, [plan["ranges"][s] for s in plan["stage_ids"]] if plan else None)
-    # 4. Data parallel: gradients averaged in megalm.parallel.grads.finalize_grads.
     return model
 
 
