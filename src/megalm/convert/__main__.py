@@ -13,7 +13,7 @@ from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, import
 EPILOG = """examples:
   python -m megalm.convert export outputs/2025-01-01/12-00-00 hf/my-model
   python -m megalm.convert import hf/TinyLlama ckpt/tinyllama --seq-length 2048
-  python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama
+  python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true
 
 GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama
 style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM; anything else is refused."""
@@ -66,7 +66,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             out, cfg = import_from_hf(args.src, args.out, name=args.name, seq_length=args.seq_length,
                                       optimizer=args.optimizer, force=args.force)
             print(f"wrote megalm checkpoint {out / 'step_00000000'}\ntrain from it:\n"
-                  f"  python -m megalm.train --config-dir {out / 'conf'} model={cfg.name} checkpoint.load={out}"
+                  f"  python -m megalm.train --config-dir {out / 'conf'} model={cfg.name} checkpoint.load={out} checkpoint.finetune=true"
                   + (f" optimizer={args.optimizer}" if args.optimizer != "adamw" else ""))
             if (out / "tokenizer.json").is_file():
                 print(f"  (its tokenizer: data.tokenizer.type=huggingface data.tokenizer.model={out / 'tokenizer.json'})")
