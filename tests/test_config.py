@@ -107,7 +107,6 @@ BAD = [
      "needs the micro-batches per step (3) to be a multiple of parallel.pp=2"),
     (["parallel.virtual_pipeline_size=2"], 1, "need pipeline parallelism (parallel.pp=1)"),
     (["parallel.recompute_num_layers=2"], 1, "parallel.recompute_num_layers=2 needs recompute=full (got none)"),
-    (["parallel.zero_stage=3"], 1, "parallel.zero_stage=3 is not available yet"),
     (["parallel.recompute=some"], 1, "parallel.recompute='some' is not one of none, selective, full"),
     (["parallel=tp2"], 3, "tp(2) * pp(1) * dp(1) * cp(1) = 2 != world size (3)"),
     (["parallel=tp2", "parallel.dp=-1"], 3,

@@ -90,6 +90,12 @@ LAYOUTS = [
     ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
                "parallel.zero_stage=2"], 4),
     ("gpt2", ["parallel=tp2_pp2_dp2", "parallel.zero_stage=1"], 8),
+    # ZeRO-3: parameters sharded too, gathered layer by layer.
+    ("gpt2", ["parallel=dp2", "parallel.zero_stage=3"], 2),
+    ("llama", ["parallel=tp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"], 4),
+    ("gpt2", ["parallel=pp2_dp2", "parallel.zero_stage=3"], 4),
+    ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
+               "parallel.zero_stage=3", "parallel.recompute=full"], 4),
 ]
 
 

@@ -1,4 +1,4 @@
-"""Data parallelism with bucketed, overlapped reduction and ZeRO 1/2, on gloo ranks.
+"""Data parallelism with bucketed, overlapped reduction and ZeRO 1/2/3, on gloo ranks.
 
 The loss curves at every zero stage and layout are checked against the single process in
 test_parallel_model.py; here: when and what the buckets communicate, the memory each stage
@@ -53,6 +53,59 @@ def _comm_timeline(rank, world, zero_stage):
     return steps, [b.size for b in dp.buckets], dp.dp
 
 
+def _zero3_timeline(rank, world):
+    """ZeRO-3 over two steps: collectives per forward and backward, and the weights held meanwhile."""
+    from megalm.distributed.comm import count_comm
+    cfg, model, dp, opt, batches = _build(world, 3, bucket_mb=0.02)
+    held = []  # bytes of weights on this rank in every unit's forward and as each gradient is computed
+    for unit in dp.units:
+        unit.register_forward_pre_hook(lambda m, a: held.append(dp.weight_bytes()))
+    for p in model.parameters():
+        p.register_hook(lambda g: held.append(dp.weight_bytes()))
+    steps = []
+    for _ in range(2):
+        seen = []
+        for x in batches:
+            with count_comm() as fwd:
+                loss = model(x[:, :-1], x[:, 1:]) / len(batches)
+            with count_comm() as bwd:
+                loss.backward()
+            seen.append((dict(fwd.bytes), dict(bwd.bytes)))
+        with count_comm() as fin:
+            dp.finish()
+        at_rest = dp.weight_bytes()
+        with count_comm() as upd:
+            opt.step()
+        opt.zero_grad()
+        steps.append((seen, dict(fin.bytes), dict(upd.bytes), at_rest))
+    total = sum(b.size for b in dp.buckets)
+    tied = sum(b.size for b in dp.unit_buckets[model.head])  # the head's weight is the embedding's
+    largest = max(sum(b.size for b in dp.unit_buckets[u]) for u in dp.units)
+    return steps, total, tied, largest, held, dp.dp
+
+
+def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest():
+    """Each micro-batch all-gathers every unit once in forward (the tied embedding twice: for the
+    embedding and again for the head) and once in backward; gradients reduce-scatter as in ZeRO-2;
+    the update moves nothing. Between steps a rank holds 1/dp of the weights, and while computing
+    never more than a few layers beyond that."""
+    (steps, total, tied, largest, held, dp), _ = run_ranks(2, _zero3_timeline)
+    assert tied > 0 and largest < total / 3
+    shard_bytes = 4 * total // dp
+    for i, (seen, fin, upd, at_rest) in enumerate(steps):
+        for j, (fwd, bwd) in enumerate(seen):
+            assert fwd == {"all_gather": 4 * (total + tied) // dp}
+            last_backward = j == len(seen) - 1 and i > 0  # step 1 reduces after backward (see above)
+            assert bwd == ({"all_gather": shard_bytes, "reduce_scatter": 4 * total} if last_backward
+                           else {"all_gather": shard_bytes})
+        assert fin == ({"reduce_scatter": 4 * total} if i == 0 else {})
+        assert upd == {}
+        assert at_rest == shard_bytes
+    # The unit computing, the one prefetched and the tied embedding (used by the head) at most.
+    assert max(held) <= shard_bytes + 4 * (2 * largest + tied)
+    assert min(held) > shard_bytes  # something was gathered whenever a unit ran
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(zero_stage):
     world = 2
@@ -87,32 +140,35 @@ def _state_bytes(rank, world, zero_stage):
                                                              for b in dp.buckets)
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1, 2])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
 def test_model_state_memory_per_rank_matches_the_formula(zero_stage):
     """fp32 weights (their own master copy), fp32 gradients, Adam's two moments: 16 bytes a
-    parameter unsharded; ZeRO-1 divides the moments by dp, ZeRO-2 the gradients too."""
+    parameter unsharded; ZeRO-1 divides the moments by dp, ZeRO-2 the gradients too, ZeRO-3
+    the weights as well."""
     from megalm.training.memory import expected_bytes_per_param
     world = 2
     for got, padding in run_ranks(world, _state_bytes, zero_stage):
         n = got["params"]
         expected = expected_bytes_per_param(zero_stage=zero_stage, dp=world) * n
         measured = got["weights"] + got["grads"] + got["optimizer"]
-        # Buckets pad to a multiple of dp: at most dp - 1 elements each, in the gradients and moments.
-        assert abs(measured - expected) <= 4 * 3 * padding + 1e-9
+        # Buckets pad to a multiple of dp: at most dp - 1 elements each, in every sharded tensor.
+        assert abs(measured - expected) <= 4 * 4 * padding + 1e-9
         assert got["optimizer"] == pytest.approx(8 * n / (world if zero_stage else 1), abs=8 * padding)
         assert got["grads"] == pytest.approx(4 * n / (world if zero_stage >= 2 else 1), abs=4 * padding)
+        assert got["weights"] == pytest.approx(4 * n / (world if zero_stage == 3 else 1), abs=4 * padding)
 
 
 def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):
-    """Saved at dp2 zero-1 after step 2; continued at dp2 zero-2, at dp4 zero-0 and in one
-    process, every continuation equals the uninterrupted dp2 zero-1 run."""
+    """Saved at dp2 zero-3 after step 2; continued at dp2 zero-1 and zero-3, at dp4 zero-2 and in
+    one process, every continuation equals the uninterrupted dp2 zero-3 run."""
     from megalm.train import run
     common = [*BASE, *LLAMA, "checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=4"]
     straight = tmp_path / "straight"
-    run_ranks(2, _rank_run, [*common, "parallel=dp2", "parallel.zero_stage=1"], str(straight))
+    run_ranks(2, _rank_run, [*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight))
     ref, _ = losses(straight)
     saved = straight / "checkpoints" / "step_00000002"
-    for world, layout in ((2, ["parallel=dp2", "parallel.zero_stage=2"]), (4, ["parallel=dp4"])):
+    for world, layout in ((2, ["parallel=dp2", "parallel.zero_stage=1"]), (2, ["parallel=dp2", "parallel.zero_stage=3"]),
+                          (4, ["parallel=dp4", "parallel.zero_stage=2"])):
         out = tmp_path / f"dp{world}"
         run_ranks(world, _rank_run, [*common, *layout, f"checkpoint.load={saved}"], str(out))
         assert losses(out)[0] == pytest.approx(ref[2:], rel=1e-5), layout
@@ -140,7 +196,7 @@ def test_finetune_takes_the_weights_only(tmp_path):
     run(load(*BASE, *GPT2, "checkpoint.save=true", "trainer.max_steps=2"), source, 1)
     _, source_val = losses(source)
     tuned = tmp_path / "tuned"
-    run_ranks(2, _rank_run, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=1", "checkpoint.finetune=true",
+    run_ranks(2, _rank_run, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=3", "checkpoint.finetune=true",
                              f"checkpoint.load={source / 'checkpoints'}"], str(tuned))
     records = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]

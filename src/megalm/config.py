@@ -110,7 +110,7 @@ class ParallelConfig:
     layers_per_stage: Optional[List[int]] = None
     """Layers of each (virtual) stage in order, for uneven splits; None = even."""
     zero_stage: int = 0
-    """0 = plain DP, 1 = shard optimizer state over dp, 2 = + gradients, 3 = + parameters (FSDP2)."""
+    """0 = plain DP, 1 = shard optimizer state over dp, 2 = + gradients, 3 = + parameters (gathered per layer)."""
     bucket_size_mb: float = 25.0
     """fp32 gradient MiB per data-parallel bucket: one collective each, launched during backward."""
     recompute: str = "none"

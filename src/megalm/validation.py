@@ -139,8 +139,6 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ValueError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
                          f"parallel.tp={p.tp}, which does not divide it")
-    if p.zero_stage == 3:
-        raise ValueError("parallel.zero_stage=3 is not available yet; use zero_stage 0, 1 or 2")
     if p.bucket_size_mb <= 0:
         raise ValueError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):

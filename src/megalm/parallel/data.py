@@ -24,7 +24,7 @@ Why not torch's DDP and ZeroRedundancyOptimizer: DDP must wrap the module a sche
 pipeline stage here is a view over a shared model and zero-bubble schedules split backward into
 input and weight passes, which DDP's reducer does not follow; ZeroRedundancyOptimizer assigns
 whole parameters to ranks and broadcasts them, moving more than a reduce-scatter + all-gather and
-leaving a state dict DCP cannot reshard. ZeRO-3 uses FSDP2 (`megalm.parallel.fsdp`).
+leaving a state dict DCP cannot reshard. ZeRO-3 (`megalm.parallel.zero3`) extends this class.
 
 Replicated-across-tp gradients (sequence-parallel norms) are summed over tp and the tied
 embedding's over the embedding group after the dp reduction, on whatever this rank holds (the
@@ -34,6 +34,7 @@ the tied embedding gets a bucket of its own so both stages shard it identically)
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -70,6 +71,13 @@ class Bucket:
     shards: List[Shard] = field(default_factory=list)
     ready: int = 0
     work: object = None
+    # ZeRO-3 (megalm.parallel.zero3): this rank's chunk of the parameters, kept while param_buf's
+    # storage is freed; whether param_buf holds them now; what still needs them.
+    param_shard: Optional[torch.Tensor] = None
+    gathered: bool = True
+    gather_work: object = None
+    pending: set = field(default_factory=set)  # parameters whose gradient this micro-batch is due
+    in_use: bool = False                       # inside its unit's forward
 
 
 class DataParallel:
@@ -100,7 +108,8 @@ class DataParallel:
             p.register_post_accumulate_grad_hook(self._on_grad)
 
     # -- layout ----------------------------------------------------------------------------------
-    def _build_buckets(self, cap: int, device) -> None:
+    def _param_groups(self, cap: int) -> List[List[nn.Parameter]]:
+        """Parameters of each bucket, in the order backward produces their gradients."""
         groups: List[List[nn.Parameter]] = []
         current: List[nn.Parameter] = []
         filled = 0
@@ -115,6 +124,10 @@ class DataParallel:
             filled += p.numel()
         if current:
             groups.append(current)
+        return groups
+
+    def _build_buckets(self, cap: int, device) -> None:
+        groups = self._param_groups(cap)
         for params in groups:
             offsets, n = [], 0
             for p in params:
@@ -127,7 +140,7 @@ class DataParallel:
                 bucket.grad = torch.zeros(size, dtype=torch.float32, device=device)
             if self.zero_stage == 1:  # reduce-scattered in place, as Megatron's distributed optimizer
                 bucket.grad_shard = bucket.grad[lo:lo + bucket.shard_size]
-            elif self.zero_stage == 2:
+            elif self.zero_stage >= 2:
                 bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
             for i, p in enumerate(params):
                 self.where[p] = (bucket, offsets[i])
@@ -146,12 +159,16 @@ class DataParallel:
                 if start >= stop:
                     continue
                 local = slice(off + start - lo, off + stop - lo)
-                t = nn.Parameter(b.param_buf[off + start:off + stop], requires_grad=True)  # an alias
+                t = nn.Parameter(self._owned(b)[local], requires_grad=True)  # an alias
                 t.grad = b.grad_shard[local]
                 for tag in SHARD_TAGS:
                     if hasattr(p, tag):
                         setattr(t, tag, getattr(p, tag))
                 b.shards.append(Shard(p, start, stop, t, local))
+
+    def _owned(self, b: Bucket) -> torch.Tensor:
+        """The flat parameters of this rank's chunk of bucket `b`, which its optimizer updates."""
+        return b.param_buf[self.dp_rank * b.shard_size:(self.dp_rank + 1) * b.shard_size]
 
     @property
     def shards(self) -> List[Shard]:
@@ -252,6 +269,15 @@ class DataParallel:
         self.counts.clear()
         self.done.clear()
 
+    def weight_bytes(self) -> int:
+        """Bytes of weights this rank holds (a tied weight counted once)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    @contextlib.contextmanager
+    def full_params(self, write_back: bool = False):
+        """Every parameter present in the model (to read or load a state dict); always so below ZeRO-3."""
+        yield
+
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: its buckets (whose views the parameters'
         gradients are after `finish`), or the parameters' own gradients when there are none."""
@@ -261,7 +287,7 @@ class DataParallel:
         for b in self.buckets:
             if b.grad is not None:
                 total += b.grad.numel() * b.grad.element_size()
-            if self.zero_stage == 2:  # its own buffer (under ZeRO-1 it is a view of b.grad)
+            if self.zero_stage >= 2:  # its own buffer (under ZeRO-1 it is a view of b.grad)
                 total += b.grad_shard.numel() * b.grad_shard.element_size()
         return total
 
@@ -354,4 +380,7 @@ def build_data_parallel(model: nn.Module, mesh, zero_stage: int, bucket_size_mb:
     """The gradient synchroniser of a distributed run; None in a single process."""
     if mesh is None:
         return None
+    if zero_stage == 3:
+        from megalm.parallel.zero3 import FullyShardedDataParallel
+        return FullyShardedDataParallel(model, mesh, bucket_size_mb)
     return DataParallel(model, mesh, zero_stage, bucket_size_mb)

@@ -32,11 +32,12 @@ def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=
     """What this rank holds now: weights, gradients and optimizer state, in bytes.
 
     With a megalm.parallel.data.DataParallel the gradients are its buckets (full, or the ZeRO
-    shard), which the parameters' .grad views or has been freed into."""
+    shard), which the parameters' .grad views or has been freed into, and under ZeRO-3 the
+    weights are this rank's shards plus whatever layers are gathered at the moment."""
     params = list(model.parameters())  # a tied weight is one tensor, counted once
     weights = sum(p.numel() * p.element_size() for p in params)
-    if data_parallel is not None:
-        grads = data_parallel.grad_bytes()
+    if data_parallel is not None:  # ZeRO-3's parameters are views of buffers mostly freed
+        weights, grads = data_parallel.weight_bytes(), data_parallel.grad_bytes()
     else:
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
