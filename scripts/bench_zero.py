@@ -2,7 +2,7 @@
 
     python scripts/bench_zero.py [--model gpt_cpu] [--rounds 5] [--steps 3] [--dp 2]
 
-Part 1 starts `dp` gloo ranks, each holding one model per zero stage (0, 1, 2) built exactly as
+Part 1 starts `dp` gloo ranks, each holding one model per zero stage (0, 1, 2, 3) built exactly as
 `megalm.train` builds them; each round trains every stage for `steps` steps in turn, so drift on
 a noisy machine hits all alike. Reports the median tokens/s of each stage, the model-state bytes
 a rank holds (weights, gradients, Adam moments) against Megatron's formula, and the bytes each
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 
 
 def config(model: str, *overrides: str):
