@@ -5,8 +5,9 @@
 Part 1 starts `dp` gloo ranks, each holding one model per zero stage (0, 1, 2, 3) built exactly as
 `megalm.train` builds them; each round trains every stage for `steps` steps in turn, so drift on
 a noisy machine hits all alike. Reports the median tokens/s of each stage, the model-state bytes
-a rank holds (weights, gradients, Adam moments) against Megatron's formula, and the bytes each
-rank's dp collectives carry per step. Part 2, in this process with every core: fp32 vs bf16
+a rank holds (weights, gradients, Adam moments) against Megatron's formula, the most weight bytes
+it holds during a step (ZeRO-3 gathers layers as they run), and the bytes each rank's dp
+collectives carry per step. Part 2, in this process with every core: fp32 vs bf16
 autocast, and recompute none / selective / full, the same way.
 """
 
@@ -95,8 +96,14 @@ def dp_worker(rank: int, world: int, store: str, args, queue) -> None:
             times[z].append(train(cfg, model, dp, opt, batches, args.steps) / args.steps)
     out = {}
     for z, (cfg, model, dp, opt) in runs.items():
+        peak = [dp.weight_bytes()]  # weights held as each unit runs and each gradient is computed
+        hooks = [m.register_forward_pre_hook(lambda *a: peak.append(dp.weight_bytes()))
+                 for m in (model.embed, *model.blocks.values(), model.norm, model.head)]
+        hooks += [q.register_hook(lambda g: peak.append(dp.weight_bytes())) for q in model.parameters()]
         with count_comm() as stats:
             train(cfg, model, dp, opt, batches, 1)
+        for h in hooks:
+            h.remove()
         for x in batches:  # state as the optimizer step sees it: gradients reduced, moments allocated
             model(x[:, :-1], x[:, 1:]).backward()
         dp.finish()
@@ -105,7 +112,7 @@ def dp_worker(rank: int, world: int, store: str, args, queue) -> None:
         n = got["params"]
         out[z] = {"step_s": statistics.median(times[z]), "state": got["weights"] + got["grads"] + got["optimizer"],
                   "expected": expected_bytes_per_param(zero_stage=z, dp=world) * n, "params": n,
-                  "comm": dict(stats.bytes), "buckets": len(dp.buckets)}
+                  "comm": dict(stats.bytes), "buckets": len(dp.buckets), "weights_peak": max(peak)}
     queue.put((rank, out))
     dist.destroy_process_group()
 
@@ -155,14 +162,15 @@ def main() -> None:
     tokens = 8 * cfg.model.seq_length
     print(f"model={args.model}, dp={args.dp}, global batch 8 x {cfg.model.seq_length} tokens, fp32, "
           f"median of {args.rounds} rounds x {args.steps} steps")
-    print(f"{'zero':<6}{'tokens/s':>10}{'vs 0':>7}{'state MiB/rank':>16}{'formula MiB':>13}   collective bytes a rank sends a step")
+    print(f"{'zero':<6}{'tokens/s':>10}{'vs 0':>7}{'state MiB/rank':>16}{'formula MiB':>13}{'weights peak':>14}"
+          "   collective bytes a rank sends a step")
     base = results[0][0]["step_s"]
     for z in STAGES:
         r = results[0][z]
         per_rank = "/".join(f"{results[rk][z]['state'] / 2**20:.1f}" for rk in sorted(results))
         comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(r["comm"].items()))
         print(f"{z:<6}{tokens / r['step_s']:>10.0f}{base / r['step_s']:>6.2f}x{per_rank:>16}"
-              f"{r['expected'] / 2**20:>13.1f}   {comm}")
+              f"{r['expected'] / 2**20:>13.1f}{r['weights_peak'] / 2**20:>14.1f}   {comm}")
     single_process(args)
 
 

@@ -52,6 +52,13 @@ def _rank_run(rank, world, overrides, run_dir):
     return run(cfg, Path(run_dir), world)
 
 
+def _rank_runs(rank, world, jobs):
+    """Several runs, one after another, on one set of ranks: (overrides, run_dir) each. Starting
+    the processes (torch's import) costs more than a tiny run, so layouts of one world size share
+    them; every run builds its own mesh, groups, model and data from the config."""
+    return [_rank_run(rank, world, overrides, run_dir) for overrides, run_dir in jobs]
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory):
     from megalm.train import run
@@ -99,10 +106,25 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("family,layout,world", LAYOUTS, ids=[f"{f}-{'-'.join(l)}" for f, l, _ in LAYOUTS])
-def test_layout_matches_single_process(single, tmp_path, family, layout, world):
-    overrides = [*BASE, *(GPT2 if family == "gpt2" else LLAMA), *layout]
-    results = run_ranks(world, _rank_run, overrides, str(tmp_path))
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """Every layout's run directory and per-rank results, computed on first use: one set of
+    ranks per world size runs all layouts of that size."""
+    runs = {}
+    for world in sorted({w for _, _, w in LAYOUTS}):
+        mine = [i for i, (_, _, w) in enumerate(LAYOUTS) if w == world]
+        dirs = {i: tmp_path_factory.mktemp(f"layout{i}") for i in mine}
+        jobs = [([*BASE, *(GPT2 if LAYOUTS[i][0] == "gpt2" else LLAMA), *LAYOUTS[i][1]], str(dirs[i])) for i in mine]
+        per_rank = run_ranks(world, _rank_runs, jobs, timeout=240.0 * len(jobs))
+        for k, i in enumerate(mine):
+            runs[i] = (dirs[i], [r[k] for r in per_rank])
+    return runs
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{f}-{'-'.join(l)}" for f, l, _ in LAYOUTS])
+def test_layout_matches_single_process(single, layout_runs, index):
+    family = LAYOUTS[index][0]
+    tmp_path, results = layout_runs[index]
     train, val = losses(tmp_path)
     ref_train, ref_val, ref_norms = single[family]
     assert len(train) == STEPS
