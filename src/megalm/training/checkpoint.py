@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from megalm.config import CheckpointConfig
 from megalm.models.gpt import VOCAB_PARAMS
+from megalm.training.safe_load import load_state
 
 log = logging.getLogger("megalm.checkpoint")
 # Optimizer state keyed per parameter ("state.<name>.exp_avg"), so pipeline stages, which hold
@@ -197,14 +198,14 @@ class Checkpointer:
         if optimizer is None:
             state = {"model": get_model_state_dict(model)}
             back = _canonical_templates(model, state["model"], None)
-            _quiet(dcp.load, state, checkpoint_id=str(path))
+            _quiet(load_state, state, path)  # never runs code from the files (safe_load.py)
             _from_canonical(back)
             set_model_state_dict(model, state["model"])
         else:
             model_sd, optim_sd = _state_dicts(model, optimizer)
             back = _canonical_templates(model, model_sd, optim_sd)
             state = {"model": model_sd, "optim": optim_sd, "rng": rng_state()}
-            _quiet(dcp.load, state, checkpoint_id=str(path))
+            _quiet(load_state, state, path)  # never runs code from the files (safe_load.py)
             _from_canonical(back)
             if hasattr(optimizer, "load_flat_state_dict"):  # ZeRO: each rank keeps its shard of the state
                 set_model_state_dict(model, state["model"])
