@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -68,6 +69,15 @@ def load_state(state: dict, path: str | Path) -> None:
         raise
 
 
+def _custom_leaves(sd: dict):
+    """(container, key, value) of every value that follows DCP's chunk protocol without being a tensor."""
+    for key, value in sd.items():
+        if isinstance(value, dict):
+            yield from _custom_leaves(value)
+        elif hasattr(value, "__get_tensor_shard__") and not torch.is_tensor(value):
+            yield sd, key, value
+
+
 def read_metadata(path: str | Path) -> Metadata:
     """The DCP metadata of the step folder `path`, read without executing anything from it."""
     return SafeFileSystemReader(path).read_metadata()
@@ -90,7 +100,26 @@ class SafeFileSystemReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DefaultLoadPlanner that reads non-tensor entries weights-only."""
+    """DefaultLoadPlanner that reads non-tensor entries weights-only (and finds the blocks of
+    megalm.training.chunks.Chunked entries)."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        # DCP's _init_state_dict replaces values of types it does not know with None, in place:
+        # put the Chunked entries back and flatten again.
+        custom = list(_custom_leaves(state_dict))
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if custom:
+            for container, key, obj in custom:
+                container[key] = obj
+            self.state_dict = self.original_state_dict
+            if self.flatten_state_dict:
+                self.state_dict, self.mappings = flatten_state_dict(self.original_state_dict)
+
+    def lookup_tensor(self, index):
+        obj = self.state_dict[index.fqn]
+        if hasattr(obj, "__get_tensor_shard__") and not torch.is_tensor(obj):
+            return obj.__get_tensor_shard__(index)
+        return super().lookup_tensor(index)
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         fqn = read_item.dest_index.fqn
