@@ -34,7 +34,6 @@ the tied embedding gets a bucket of its own so both stages shard it identically)
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -273,11 +272,6 @@ class DataParallel:
         """Bytes of weights this rank holds (a tied weight counted once)."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
-    @contextlib.contextmanager
-    def full_params(self, write_back: bool = False):
-        """Every parameter present in the model (to read or load a state dict); always so below ZeRO-3."""
-        yield
-
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: its buckets (whose views the parameters'
         gradients are after `finish`), or the parameters' own gradients when there are none."""
@@ -295,13 +289,13 @@ class DataParallel:
 class ZeroOptimizer:
     """A torch optimizer over this rank's ZeRO shards; each step ends with the parameter all-gather.
 
-    Its checkpoint form (`flat_state_dict`) is the one DCP's flattened optimizer state dict has
-    for an unsharded optimizer, "state.<param name>.<key>" with full parameter-shaped tensors, so a
-    checkpoint moves freely between zero stages and dp degrees.
+    Its state lives on the flat shards; a checkpoint writes it as blocks of the parameter-shaped
+    tensors an unsharded optimizer has (megalm.training.sharded_state), so a checkpoint moves
+    freely between zero stages and dp degrees.
     """
 
-    def __init__(self, inner: torch.optim.Optimizer, dp: DataParallel, names: Dict[nn.Parameter, str]):
-        self.inner, self.dp, self.names = inner, dp, names
+    def __init__(self, inner: torch.optim.Optimizer, dp: DataParallel):
+        self.inner, self.dp = inner, dp
 
     @property
     def param_groups(self):
@@ -334,46 +328,6 @@ class ZeroOptimizer:
             g["lr"] = lr
         for t, g in zip(tensors, grads):
             t.grad = g
-
-    def _state_keys(self) -> List[str]:
-        self._ensure_state()
-        first = next(iter(self.inner.state.values()))
-        return [k for k, v in first.items() if torch.is_tensor(v) and v.dim() > 0]
-
-    def flat_state_dict(self) -> Dict[str, object]:
-        """Full, parameter-shaped optimizer state of every parameter (collective over dp)."""
-        keys = self._state_keys()
-        out: Dict[str, object] = {}
-        step = next(iter(self.inner.state.values())).get("step")
-        hyper = {id(t): g for g in self.inner.param_groups for t in g["params"]}
-        for b in self.dp.buckets:
-            for key in keys:
-                local = torch.zeros(b.shard_size, dtype=torch.float32, device=b.param_buf.device)
-                for s in b.shards:
-                    local[s.local] = self.inner.state[s.tensor][key]
-                full = torch.empty(b.size, dtype=torch.float32, device=local.device)
-                bucket_all_gather(full, local, self.dp.dp_group)
-                for p, off in zip(b.params, b.offsets):
-                    out[f"state.{self.names[p]}.{key}"] = full[off:off + p.numel()].view_as(p).clone()
-            for p in b.params:
-                name = self.names[p]
-                if step is not None:
-                    out[f"state.{name}.step"] = step.clone() if torch.is_tensor(step) else step
-                group = next((hyper[id(s.tensor)] for s in b.shards if s.param is p), self.inner.param_groups[0])
-                for k, v in group.items():
-                    if k != "params":
-                        out[f"param_groups.{name}.{k}"] = v
-        return out
-
-    def load_flat_state_dict(self, sd: Dict[str, object]) -> None:
-        keys = self._state_keys()
-        for s in self.dp.shards:
-            name, state = self.names[s.param], self.inner.state[s.tensor]
-            for key in keys:
-                state[key] = sd[f"state.{name}.{key}"].reshape(-1)[s.start:s.stop].clone().to(s.tensor.device)
-            if f"state.{name}.step" in sd:
-                step = sd[f"state.{name}.step"]
-                state["step"] = step.clone() if torch.is_tensor(step) else step
 
 
 def build_data_parallel(model: nn.Module, mesh, zero_stage: int, bucket_size_mb: float) -> Optional[DataParallel]:

@@ -25,9 +25,8 @@ stages unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from typing import Dict, Iterator, List
+from typing import Dict, List
 
 import torch
 from torch import nn
@@ -156,27 +155,11 @@ class FullyShardedDataParallel(DataParallel):
         self.release()
 
     def release(self) -> None:
-        """Free every gathered bucket (the end of a step's backward, or of a checkpoint)."""
+        """Free every gathered bucket (the end of a step's backward)."""
         for b in self.buckets:
             b.pending.clear()
             b.in_use = False
             self._free(b)
-
-    @contextlib.contextmanager
-    def full_params(self, write_back: bool = False) -> Iterator[None]:
-        """The whole model gathered (to read a state dict); with write_back, what was written into
-        the parameters meanwhile (a loaded state dict) becomes this rank's shards."""
-        for b in self.buckets:
-            self._gather(b)
-            b.in_use = True
-        try:
-            yield
-            if write_back:
-                for b in self.buckets:
-                    lo = self.dp_rank * b.shard_size
-                    b.param_shard.copy_(b.param_buf[lo:lo + b.shard_size])
-        finally:
-            self.release()
 
     def gather_params(self) -> None:
         pass  # the next forward gathers the updated shards, unit by unit

@@ -31,8 +31,7 @@ def build_optimizer(cfg: OptimizerConfig, model: nn.Module, data_parallel=None):
             (decay if s.param.ndim >= 2 else no_decay).append(s.tensor)
         groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}) if g["params"]]
-        names = {p: n for n, p in model.named_parameters()}
-        return ZeroOptimizer(_make(cfg, groups), data_parallel, names)
+        return ZeroOptimizer(_make(cfg, groups), data_parallel)
     return _make(cfg, param_groups(model, cfg.weight_decay))
 
 

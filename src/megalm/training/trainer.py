@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import signal
@@ -63,16 +62,8 @@ class Trainer:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
 
-    def _full_params(self, write_back: bool = False):
-        """ZeRO-3 keeps only shards of the weights: gather them for a state dict (and re-shard
-        what a load wrote); a no-op otherwise."""
-        if self.data_parallel is None:
-            return contextlib.nullcontext()
-        return self.data_parallel.full_params(write_back)
-
     def load(self, path, weights_only: bool = False) -> None:
-        with self._full_params(write_back=True):
-            saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer)
+        saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer, self.data_parallel)
         if not weights_only:
             self.step = saved["step"]
             self.loader.consumed_samples = saved["consumed_samples"]
@@ -243,8 +234,7 @@ class Trainer:
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
                 signalled = not last and self._stop_requested()
                 if self.checkpointer.due(self.step, last or exiting or signalled):
-                    with self._full_params():
-                        self.checkpointer.save(self.step, self.model, self.optimizer, self.state())
+                    self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel)
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
                 if exiting or signalled:
                     why = "a stop signal arrived" if signalled else f"trainer.exit_interval={c.exit_interval} reached"
