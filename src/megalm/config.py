@@ -238,7 +238,7 @@ class CheckpointConfig:
     save: bool = True
     """Write checkpoints at all."""
     async_save: bool = False
-    """Write checkpoints in the background (not available yet: must be false)."""
+    """Write checkpoints from a background thread (state copied to CPU first) while training goes on (default false)."""
 
 
 @dataclass

@@ -129,8 +129,9 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ValueError(f"{key}={value} must be positive")
     if cfg.checkpoint.finetune and not cfg.checkpoint.load:
         raise ValueError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
-    if cfg.checkpoint.async_save:
-        raise ValueError("checkpoint.async_save=true is not available yet; use false")
+    if cfg.checkpoint.async_save and not cfg.checkpoint.save:
+        raise ValueError("checkpoint.async_save=true writes checkpoints in the background, but checkpoint.save=false "
+                         "writes none; set checkpoint.save=true or drop async_save")
     if p.pp > 1:
         _validate_pipeline(p, m, per_step=t.micro_batch_size * dims.dp, global_batch=t.global_batch_size)
     elif p.virtual_pipeline_size != 1 or p.layers_per_stage:

@@ -3,8 +3,8 @@
 DCP stores every tensor with its global shape, which is what lets a later change load a
 checkpoint at another parallel layout. Layout on disk:
 
-    <dir>/step_00000100/        DCP shards + .metadata, and trainer_state.json
-    <dir>/latest                name of the newest complete step folder, written last
+    <dir>/step_00000100/        DCP shards + .metadata, trainer_state.json, manifest.json
+    <dir>/latest                name of the newest step folder, written last (for people and tools)
 
 Every tensor is stored under its global name and full shape, the vocabulary matrices with only
 the real rows (their padding depends on tp), so a checkpoint holds the same keys and shapes
@@ -12,9 +12,16 @@ whatever layout it was written at. Each rank writes only the blocks it holds (te
 shards, ZeRO's flat ranges; megalm.training.sharded_state) with their global offsets, nothing
 is gathered, and a load reads into each rank's own tensors whatever blocks overlap them.
 
-A step folder is written under a temporary name and renamed into place only when complete,
-and `latest` is replaced atomically after that, so a crash mid-save never leaves a folder
-that a resume would take for complete.
+Order of a save: every rank writes its blocks into <dir>/.step_XXXXXXXX.tmp (DCP); rank 0 adds
+trainer_state.json, then the manifest (megalm.training.manifest), renames the folder into place,
+then replaces `latest`. A crash, even kill -9, leaves a .tmp folder, which nothing loads, or a
+whole one. With async_save the blocks are copied to CPU memory, the write and the manifest run
+in background threads, and the rename waits for them at the next save or at finish(): at most
+one save is ever in flight.
+
+Auto-resume (Checkpointer.latest) takes the newest step folder that matches its manifest,
+logging and skipping damaged ones; an explicit checkpoint.load that does not match is an error.
+Folders from before manifests load unverified, with a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import logging
 import os
 import shutil
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Dict, Optional
 
@@ -32,12 +40,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalm.config import CheckpointConfig
-from megalm.training.chunks import ChunkedSavePlanner
+from megalm.training.checkpoint_shapes import check_shapes, stored_metadata
+from megalm.training.chunks import ChunkedSavePlanner, stage_to_cpu
+from megalm.training.manifest import (
+    MANIFEST, folder_problems, fsync_dir, fsync_file, has_manifest, step_folders, write_manifest)
 from megalm.training.safe_load import load_state
-from megalm.training.sharded_state import model_entries, optim_entries
+from megalm.training.sharded_state import model_entries, optim_entries, zero_vocab_padding
 
 log = logging.getLogger("megalm.checkpoint")
 STATE_FILE = "trainer_state.json"
+RANK_RNG = "rng_ranks"  # each rank's own random streams (see _rank_streams)
+
+# The background writer of async_save warns from its own thread, where catch_warnings (below)
+# does not reach.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _quiet(fn, *args, **kwargs):
@@ -59,36 +75,113 @@ def _barrier() -> None:
 def resolve(path: str | Path) -> Path:
     """A step folder from either a step folder or a checkpoint dir (its `latest`)."""
     path = Path(path).expanduser()
-    if (path / ".metadata").exists():
+    if (path / ".metadata").exists() or has_manifest(path):  # a damaged one too: load() names what is wrong
         return path
     marker = path / "latest"
     if marker.exists():
         step_dir = path / marker.read_text().strip()
-        if (step_dir / ".metadata").exists():
+        if (step_dir / ".metadata").exists() or has_manifest(step_dir):
             return step_dir
         raise FileNotFoundError(f"{marker} names {step_dir.name}, which holds no complete checkpoint")
     raise FileNotFoundError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
 
 
+class CorruptCheckpointError(RuntimeError):
+    """A step folder whose files differ from its manifest."""
+
+
+def _from_rank0(value):
+    """Rank 0's `value` on every rank (the value itself without a process group)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _write_trainer_state(folder: Path, state: Dict[str, Any]) -> None:
+    path = folder / STATE_FILE
+    path.write_text(json.dumps(state, indent=1))
+    fsync_file(path)
+
+
+def _seal_after(written: Future, folder: Path) -> None:
+    """Once DCP's write is done, the manifest: written last, it vouches for every file before it."""
+    written.result()
+    write_manifest(folder)
+
+
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path):
-        self.cfg = cfg
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, tp_group=None):
+        self.cfg, self.tp_group = cfg, tp_group
         d = Path(cfg.dir).expanduser()
         self.dir = d if d.is_absolute() else Path(run_dir) / d
+        self._verified: set = set()  # step folders already checked against their manifest
+        self._pending = None  # (future, tmp, final) of a background save
+        self._executor: Optional[ThreadPoolExecutor] = None
+        self._async_group = None
+        if cfg.async_save and dist.is_initialized():
+            # The background writer runs DCP's collectives in its own thread: a group of their
+            # own keeps them from interleaving with training's. Gloo, as DCP stages to CPU.
+            self._async_group = dist.new_group(backend="gloo")
 
+    # -- which checkpoint ------------------------------------------------------------------------
     def latest(self) -> Optional[Path]:
-        try:
-            return resolve(self.dir)
-        except FileNotFoundError:
+        """The newest step folder that verifies; a damaged one is reported and the one before
+        it taken. Rank 0 decides and tells the others, so ranks never disagree."""
+        kind, value = _from_rank0(self._newest_whole() if _is_rank0() else None)
+        if kind == "error":
+            raise CorruptCheckpointError(value)
+        if kind == "none":
             return None
+        self._verified.add(value)
+        return Path(value)
+
+    def _newest_whole(self):
+        rejected = []
+        for folder in step_folders(self.dir):
+            problems = folder_problems(folder)
+            if not problems:
+                if rejected:
+                    log.warning("taking %s, the newest checkpoint that verifies", folder)
+                self._warn_unverified(folder)
+                return "ok", str(folder)
+            log.warning("checkpoint %s is damaged, so it is skipped: %s", folder, "; ".join(problems))
+            rejected.append(f"{folder}: {'; '.join(problems)}")
+        if rejected:
+            return "error", (f"no checkpoint in {self.dir} verifies:\n  " + "\n  ".join(rejected)
+                             + f"\nmove the damaged folders out of {self.dir} to start from scratch")
+        return "none", None
+
+    @staticmethod
+    def _warn_unverified(folder: Path) -> None:
+        if not has_manifest(folder):
+            log.warning("checkpoint %s has no %s (written before megalm recorded one): loading it unverified",
+                        folder, MANIFEST)
+
+    def _check_whole(self, path: Path) -> None:
+        """Raise, on every rank, if `path` differs from its manifest: an explicit choice never falls back."""
+        if str(path) in self._verified:
+            return
+        problems = _from_rank0(folder_problems(path) if _is_rank0() else None)
+        if problems:
+            raise CorruptCheckpointError(
+                f"checkpoint {path} failed verification: {'; '.join(problems)}. An older step folder next to "
+                f"it may be whole; pass it as checkpoint.load")
+        if _is_rank0():
+            self._warn_unverified(path)
+        self._verified.add(str(path))
 
     def due(self, step: int, last: bool) -> bool:
         if not self.cfg.save:
             return False
         return last or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
 
+    # -- save ------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: Dict[str, Any], data_parallel=None) -> Path:
+        """Write step `step`; with checkpoint.async_save it is published by the next save or finish()."""
+        self.finish()  # never two saves in flight: the previous one lands first
         name = f"step_{step:08d}"
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if _is_rank0():
@@ -96,40 +189,124 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         state = {"model": model_entries(model, data_parallel), "optim": optim_entries(model, optimizer, data_parallel),
-                 "rng": rng_state()}
+                 "rng": rng_state(), **_rank_streams(model, self.tp_group)}
+        if _is_rank0():
+            _write_trainer_state(tmp, dict(trainer_state, step=step))
+        if self.cfg.async_save:
+            # The blocks are copied to CPU memory before async_save returns (so training may
+            # change them), then written from DCP's thread; rank 0's thread of ours then
+            # checksums the files, so neither the write nor the read-back holds up training.
+            written = dcp.async_save(stage_to_cpu(state), storage_writer=dcp.FileSystemWriter(str(tmp)),
+                                     planner=ChunkedSavePlanner(), process_group=self._async_group,
+                                     no_dist=not dist.is_initialized())
+            if _is_rank0():
+                written = self._sealer().submit(_seal_after, written, tmp)
+            self._pending = (written, tmp, final)
+            log.info("writing checkpoint %s in the background", final)
+            return final
         _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkedSavePlanner())
         if _is_rank0():
-            (tmp / STATE_FILE).write_text(json.dumps(dict(trainer_state, step=step), indent=1))
+            write_manifest(tmp)
+        self._publish(tmp, final)
+        return final
+
+    def _sealer(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="megalm-checkpoint")
+        return self._executor
+
+    def finish(self) -> None:
+        """Wait for a background save and publish it (no-op without one). Every rank calls it."""
+        if self._pending is None:
+            return
+        written, tmp, final = self._pending
+        self._pending = None
+        written.result()  # DCP's own collectives: every rank's shards are on disk when this returns
+        self._publish(tmp, final)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Rank 0 renames a sealed folder (shards, trainer state, manifest) into place, then `latest`."""
+        if _is_rank0():
             if final.exists():  # a re-run that reached the same step again
                 shutil.rmtree(final)
             os.replace(tmp, final)
             marker_tmp = self.dir / ".latest.tmp"
-            marker_tmp.write_text(name + "\n")
+            marker_tmp.write_text(final.name + "\n")
             os.replace(marker_tmp, self.dir / "latest")
+            fsync_dir(self.dir)  # both renames on disk
             self._prune()
         _barrier()
         log.info("saved checkpoint %s", final)
-        return final
 
     def _prune(self) -> None:
         if self.cfg.keep_last <= 0:
             return
-        steps = sorted(p for p in self.dir.glob("step_*") if (p / ".metadata").exists())
-        for old in steps[:-self.cfg.keep_last]:
+        for old in step_folders(self.dir)[self.cfg.keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
 
+    # -- load ------------------------------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
              data_parallel=None) -> Dict[str, Any]:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
         path = resolve(path)
+        self._check_whole(path)
+        metadata = stored_metadata(path)
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
+        check_shapes(path, metadata, state["model"])
         if optimizer is not None:
-            state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state())
+            state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state(),
+                         **_rank_streams(model, self.tp_group, metadata))
+        zero_vocab_padding(model, optimizer, data_parallel)  # the checkpoint fills the real rows only
         _quiet(load_state, state, path)  # in place; never runs code from the files (safe_load.py)
         if optimizer is not None:
             set_rng_state(state["rng"])
+            _set_rank_streams(model, self.tp_group, state)
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())
+
+
+def _role(model: torch.nn.Module, tp_group) -> str:
+    """The part of the model this rank runs: its streams carry over only to a rank in that role."""
+    tp = f"{dist.get_rank(tp_group)}/{dist.get_world_size(tp_group)}" if tp_group is not None else "0/1"
+    plan = getattr(model, "pp_plan", None) or {"stage_ids": [0], "num_stages": 1}
+    return f"world {dist.get_world_size()} tp {tp} stages {plan['stage_ids']}/{plan['num_stages']}"
+
+
+def _rank_streams(model: torch.nn.Module, tp_group, metadata=None) -> Dict[str, Any]:
+    """This rank's random streams under its own rank, {RANK_RNG: {"<rank>": ...}}; {} alone.
+
+    "rng" holds one copy for all ranks (DCP keeps one of equal keys), but pipeline stages draw
+    dropout for different layers, so their default generators part, and each tp rank has its
+    own "tp" stream (megalm.parallel.random): each needs its own to resume bitwise. With
+    `metadata` (loading), the template of what the checkpoint holds for this rank.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return {}
+    rank = str(dist.get_rank())
+    mine: Dict[str, Any] = {"role": _role(model, tp_group), "default": rng_state()}
+    tp_rng = getattr(model, "tp_rng", None)
+    if tp_rng is not None:
+        mine["tp"] = tp_rng.state_dict()["states"]
+    if metadata is not None:
+        if f"{RANK_RNG}.{rank}.role" not in metadata:
+            return {}
+        mine = {part: {k: v for k, v in value.items() if f"{RANK_RNG}.{rank}.{part}.{k}" in metadata}
+                if isinstance(value, dict) else value for part, value in mine.items()}
+    return {RANK_RNG: {rank: mine}}
+
+
+def _set_rank_streams(model: torch.nn.Module, tp_group, state: Dict[str, Any]) -> None:
+    """After "rng": this rank's own streams, if it runs the part of the model it ran at the save
+    (a layout change keeps "rng" alone: tp ranks must share their default stream)."""
+    for mine in state.get(RANK_RNG, {}).values():  # this rank's entry only
+        if mine["role"] != _role(model, tp_group):
+            log.info("checkpoint written at another layout (%s, now %s): every rank starts from the shared "
+                     "random state", mine["role"], _role(model, tp_group))
+            return
+        set_rng_state(dict(state["rng"], **mine["default"]))
+        tp_rng = getattr(model, "tp_rng", None)
+        if tp_rng is not None and set(mine.get("tp", {})) == set(tp_rng.STREAMS):
+            tp_rng.load_state_dict({"states": mine["tp"]})
 
 
 def rng_state() -> Dict[str, torch.Tensor]:

@@ -136,3 +136,18 @@ class ChunkedSavePlanner(DefaultSavePlanner):
         if isinstance(obj, Chunked):
             return obj.__get_tensor_shard__(index)
         return super().lookup_object(index)
+
+
+def stage_to_cpu(state):
+    """A copy of a checkpoint state dict in CPU memory that training can no longer change: each
+    Chunked block and tensor cloned, the rest as is (for async_save, whose own stager would not
+    know Chunked)."""
+    if isinstance(state, Chunked):
+        return Chunked(state.shape, [(off, t.detach().to("cpu", copy=True)) for off, t in state.blocks])
+    if torch.is_tensor(state):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: stage_to_cpu(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [stage_to_cpu(v) for v in state]
+    return state

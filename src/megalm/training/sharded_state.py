@@ -98,3 +98,30 @@ def _group_entries(out, name, group) -> None:
     for k, v in group.items():
         if k != "params":
             out[f"param_groups.{name}.{k}"] = v
+
+
+def zero_vocab_padding(model: nn.Module, optimizer=None, data_parallel=None) -> None:
+    """Zero the vocabulary matrices (and their optimizer moments) of this rank before a load.
+
+    A checkpoint holds only their real rows, so the load fills those and the padding rows stay
+    0, as init_weights makes them (they are never looked up and masked in the loss)."""
+    vocab = {p for name, p in model.named_parameters(remove_duplicate=False) if _vocab_rows(model, name, p)}
+    with torch.no_grad():
+        if data_parallel is not None and data_parallel.zero_stage == 3:
+            for s in data_parallel.shards:
+                if s.param in vocab:
+                    s.tensor.zero_()
+        else:
+            for p in vocab:
+                p.zero_()
+        if optimizer is None:
+            return
+        if hasattr(optimizer, "inner"):
+            optimizer._ensure_state()
+            states = [optimizer.inner.state[s.tensor] for s in data_parallel.shards if s.param in vocab]
+        else:
+            states = [optimizer.state[p] for p in vocab if p in optimizer.state]
+        for state in states:
+            for v in state.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    v.zero_()

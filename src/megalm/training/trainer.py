@@ -241,6 +241,7 @@ class Trainer:
                     log.info("step %d: %s; saved and stopping (start again in this run directory to resume)",
                              self.step, why)
                     break
+            self.checkpointer.finish()  # an async save still being written lands before the exit
         bar.close()
         self.metrics.close()
         return self.val_loss

@@ -1,0 +1,49 @@
+"""Which model tensors a checkpoint holds, against those a model expects, before DCP loads.
+
+DCP's own error names only the first size mismatch, and it silently skips stored tensors the
+model lacks (a checkpoint of more layers would load into fewer), so a wrong model.* setting
+is best reported here, all at once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megalm.training.safe_load import read_metadata
+
+_LISTED = 40  # differences named per kind in the error; the rest are counted
+
+
+def stored_metadata(path: Path) -> dict:
+    """Flattened key ("model.blocks.0.attn.qkv.weight") -> DCP metadata; tensors carry `.size`.
+    Read through safe_load, which builds nothing but DCP's metadata classes."""
+    return read_metadata(path).state_dict_metadata
+
+
+def check_shapes(path: Path, metadata, model_sd) -> None:
+    """Raise, listing every difference, if the stored model tensors are not the ones `model_sd`
+    expects. Both sides are global shapes (real vocabulary rows; `model_sd` holds a rank's
+    Chunked entries, megalm.training.sharded_state); a pipeline stage holds only its layers, so
+    the expectation is the union over every rank."""
+    expected = {k: tuple(v.size()) if hasattr(v, "size") else None for k, v in model_sd.items()}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, expected)
+        expected = {k: v for part in every for k, v in part.items()}
+    stored = {k[len("model."):]: tuple(m.size) if hasattr(m, "size") else None
+              for k, m in metadata.items() if k.startswith("model.")}
+    mismatched = [f"{k}: stored {stored[k]}, expected {shape}" for k, shape in expected.items()
+                  if k in stored and stored[k] != shape]
+    missing = sorted(set(expected) - set(stored))
+    unexpected = sorted(set(stored) - set(expected))
+    if not (mismatched or missing or unexpected):
+        return
+    lines = [f"checkpoint {path} does not fit this model config (model.* sizes or layer count differ?):"]
+    for title, items in (("shapes differ", mismatched), ("in the model, not in the checkpoint", missing),
+                         ("in the checkpoint, not in the model", unexpected)):
+        if items:
+            shown = items[:_LISTED] + ([f"... and {len(items) - _LISTED} more"] if len(items) > _LISTED else [])
+            lines.append(f"  {title} ({len(items)}):\n    " + "\n    ".join(shown))
+    raise ValueError("\n".join(lines))
