@@ -192,8 +192,7 @@ def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
 
 
 CKPT_LAYOUTS = [("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2),
-                ("gpt2", ["parallel=pp2"], 2),
-                ("llama", ["parallel=tp2_pp2_dp2"], 8)]
+                ("gpt2", ["parallel=pp2"], 2)]  # tp2_pp2_dp2 and loads at other layouts: test_reshard.py
 
 
 @pytest.mark.parametrize("family,layout,world", CKPT_LAYOUTS, ids=["-".join(l) for _, l, _ in CKPT_LAYOUTS])
