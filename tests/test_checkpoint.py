@@ -323,3 +323,19 @@ def test_async_save_and_resume_on_two_ranks_match_the_sync_run(tmp_path, layout)
     steps = [r["step"] for r in records(async_) if "loss" in r]
     assert steps == [1, 2, 3, 4]  # stopped at 2, resumed at 2
     assert losses(async_) == losses(sync)
+
+
+def test_a_step_folder_carries_the_resolved_config(straight, tmp_path):
+    """A step folder copied away from its run still says what it holds: config.yaml inside,
+    covered by the manifest, enough for the converter to find the model."""
+    import shutil
+    from omegaconf import OmegaConf
+    from megalm.convert.hf import locate_checkpoint
+    alone = tmp_path / "step_00000004"
+    shutil.copytree(straight / "checkpoints" / "step_00000004", alone)
+    saved = OmegaConf.load(alone / "config.yaml")
+    assert OmegaConf.to_container(saved) == OmegaConf.to_container(OmegaConf.load(straight / "config.yaml"))
+    assert "config.yaml" in json.loads((alone / MANIFEST).read_text())["files"]
+    step_dir, model_cfg, _ = locate_checkpoint(alone)
+    assert step_dir == alone and model_cfg.num_layers == saved.model.num_layers
+    assert model_cfg.hidden_size == saved.model.hidden_size

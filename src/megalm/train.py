@@ -100,7 +100,8 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.parallel.data import build_data_parallel
     data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None,
+                                OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
     metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
                            OmegaConf.to_container(OmegaConf.structured(cfg)))

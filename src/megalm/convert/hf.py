@@ -341,11 +341,12 @@ def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, 
             step_dir = resolve(path)
         except FileNotFoundError as e:
             raise FileNotFoundError(f"{e}; expected {what}") from None
-        looked = [step_dir.parent / "config.yaml", step_dir.parent.parent / "config.yaml"]
+        # The run directory's first (its tokenizer lies next to it), then the step folder's own copy.
+        looked = [step_dir.parent / "config.yaml", step_dir.parent.parent / "config.yaml", step_dir / "config.yaml"]
         config_file = next((c for c in looked if c.is_file()), None)
         if config_file is None and config is None:
-            raise FileNotFoundError(f"no config.yaml for checkpoint {step_dir} (looked for {looked[0]} and "
-                                    f"{looked[1]}): pass --config with the run's config.yaml or a model yaml")
+            raise FileNotFoundError(f"no config.yaml for checkpoint {step_dir} (looked for "
+                                    f"{', '.join(map(str, looked))}): pass --config with the run's config.yaml or a model yaml")
     if config is not None:
         config = Path(config).expanduser()
         if not config.is_file():

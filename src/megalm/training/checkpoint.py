@@ -3,7 +3,7 @@
 DCP stores every tensor with its global shape, which is what lets a later change load a
 checkpoint at another parallel layout. Layout on disk:
 
-    <dir>/step_00000100/        DCP shards + .metadata, trainer_state.json, manifest.json
+    <dir>/step_00000100/        DCP shards + .metadata, trainer_state.json, config.yaml, manifest.json
     <dir>/latest                name of the newest step folder, written last (for people and tools)
 
 Every tensor is stored under its global name and full shape, the vocabulary matrices with only
@@ -49,6 +49,7 @@ from megalm.training.sharded_state import model_entries, optim_entries, zero_voc
 
 log = logging.getLogger("megalm.checkpoint")
 STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.yaml"
 RANK_RNG = "rng_ranks"  # each rank's own random streams (see _rank_streams)
 
 # The background writer of async_save warns from its own thread, where catch_warnings (below)
@@ -112,8 +113,10 @@ def _seal_after(written: Future, folder: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, tp_group=None):
-        self.cfg, self.tp_group = cfg, tp_group
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, tp_group=None, config_yaml: Optional[str] = None):
+        """`config_yaml`: the run's resolved config, copied into every step folder as config.yaml
+        (so a step folder alone says what model it holds)."""
+        self.cfg, self.tp_group, self.config_yaml = cfg, tp_group, config_yaml
         d = Path(cfg.dir).expanduser()
         self.dir = d if d.is_absolute() else Path(run_dir) / d
         self._verified: set = set()  # step folders already checked against their manifest
@@ -192,6 +195,8 @@ class Checkpointer:
                  "rng": rng_state(), **_rank_streams(model, self.tp_group)}
         if _is_rank0():
             _write_trainer_state(tmp, dict(trainer_state, step=step))
+            if self.config_yaml is not None:
+                (tmp / CONFIG_FILE).write_text(self.config_yaml)
         if self.cfg.async_save:
             # The blocks are copied to CPU memory before async_save returns (so training may
             # change them), then written from DCP's thread; rank 0's thread of ours then
