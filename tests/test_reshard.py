@@ -1,7 +1,7 @@
 """A checkpoint written at one layout continues training at any other (resharding).
 
 One save, at tp2_pp2_dp2 with ZeRO-1 after step 2 of 4, is loaded at single, tp4, pp4, dp4
-with ZeRO-2 and dp2 with ZeRO-3; each continuation's steps 3-4 must equal an uninterrupted
+with ZeRO-2, dp2 with ZeRO-3 and pp2 with two virtual stages per rank; each continuation's steps 3-4 must equal an uninterrupted
 single-process run (fp32, relative 1e-5). GPT-2 style ties the embedding and head, which under
 pp are two copies on two stages: the hard case for a checkpoint that must look the same at
 every layout. The data position travels as consumed samples, so every layout starts step 3 on
@@ -33,7 +33,7 @@ def runs(tmp_path_factory):
     after its step-2 save (resuming must not need steps the saving run never took), and every
     continuation from those checkpoints."""
     d = {name: tmp_path_factory.mktemp(name) for name in
-         ("single", "saved", *[n for n, _ in LOADS], "at_single", "dp2_zero3", "pp2_from_single",
+         ("single", "saved", *[n for n, _ in LOADS], "at_single", "dp2_zero3", "pp2_vpp2", "pp2_from_single",
           "dropout_straight", "dropout_resumed")}
     run(load(*COMMON), d["single"], 1)
     run_ranks(8, _rank_run, [*COMMON, *SAVE_AT, "trainer.max_steps=2"], str(d["saved"]))
@@ -43,6 +43,8 @@ def runs(tmp_path_factory):
                               for name, layout in LOADS])
     run_ranks(2, _rank_runs, [
         ([*COMMON, "parallel=dp2", "parallel.zero_stage=3", f"checkpoint.load={step2}"], str(d["dp2_zero3"])),
+        ([*COMMON, "parallel=pp2", "parallel.virtual_pipeline_size=2",
+          "parallel.pipeline_schedule=interleaved_1f1b", f"checkpoint.load={step2}"], str(d["pp2_vpp2"])),
         ([*COMMON, "parallel=pp2", f"checkpoint.load={single_step2}"], str(d["pp2_from_single"])),
         (DROPOUT_TP2, str(d["dropout_straight"])),  # jobs run in order: its checkpoint exists for the next
         ([*DROPOUT_TP2, f"checkpoint.load={d['dropout_straight'] / STEP2}"], str(d["dropout_resumed"])),
@@ -54,7 +56,7 @@ def test_the_saving_run_matches_the_single_process_run(runs):
     assert losses(runs["saved"])[0] == pytest.approx(losses(runs["single"])[0][:2], rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["at_single", *[n for n, _ in LOADS], "dp2_zero3"])
+@pytest.mark.parametrize("name", ["at_single", *[n for n, _ in LOADS], "dp2_zero3", "pp2_vpp2"])
 def test_checkpoint_continues_at_another_layout(runs, name):
     assert losses(runs[name])[0] == pytest.approx(losses(runs["single"])[0][2:], rel=1e-5)
 
