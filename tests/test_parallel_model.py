@@ -191,8 +191,9 @@ def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
                       "all_reduce": sp_params + 4}
 
 
-CKPT_LAYOUTS = [("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2),
-                ("gpt2", ["parallel=pp2"], 2)]  # tp2_pp2_dp2 and loads at other layouts: test_reshard.py
+# pp (resume, and loads from and to other layouts), tp2_pp2_dp2, dp and zero: test_reshard.py,
+# test_checkpoint.py, test_zero.py.
+CKPT_LAYOUTS = [("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2)]
 
 
 @pytest.mark.parametrize("family,layout,world", CKPT_LAYOUTS, ids=["-".join(l) for _, l, _ in CKPT_LAYOUTS])

@@ -143,6 +143,14 @@ def test_half_written_checkpoint_is_not_resumed(tmp_path):
     assert (ckpt / "latest").read_text().strip() == "step_00000004"
 
 
+def test_keep_last_prunes_older_checkpoints(tmp_path):
+    run(load(*TINY, "trainer.eval_steps=0", "trainer.max_steps=5", "checkpoint.interval=1",
+             "checkpoint.keep_last=2"), tmp_path)
+    ckpt = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("step_")) == ["step_00000004", "step_00000005"]
+    assert (ckpt / "latest").read_text().strip() == "step_00000005"
+
+
 def test_bad_layout_fails_before_allocating(tmp_path):
     r = cli("megalm.train", "model=gpt_175b", "parallel=tp8_pp16", f"hydra.run.dir={tmp_path / 'r'}", cwd=tmp_path)
     assert r.returncode != 0
@@ -159,7 +167,8 @@ def test_eod_mask_loss_ignores_the_token_after_each_document(tmp_path):
     assert math.isfinite(masked) and masked != plain
 
 
-def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])  # Slurm's --signal=USR1@... warning, too
+def test_stop_signal_saves_and_exits_cleanly_then_resumes(tmp_path, signame):
     import signal
     import time
     run_dir = tmp_path / "run"
@@ -170,7 +179,7 @@ def test_sigterm_saves_and_exits_cleanly_then_resumes(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)  # as a cluster scheduler does before preempting
+    proc.send_signal(getattr(signal, signame))  # as a cluster scheduler does before preempting
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0, out[-3000:]
     assert "a stop signal arrived" in out

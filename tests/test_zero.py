@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import BASE, GPT2, LLAMA, _rank_run, load, losses
+from test_parallel_model import BASE, GPT2, LLAMA, _rank_run, _rank_runs, load, losses
 from megalm.validation import validate
 
 
@@ -164,14 +164,17 @@ def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):
     from megalm.train import run
     common = [*BASE, *LLAMA, "checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=4"]
     straight = tmp_path / "straight"
-    run_ranks(2, _rank_run, [*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight))
-    ref, _ = losses(straight)
     saved = straight / "checkpoints" / "step_00000002"
-    for world, layout in ((2, ["parallel=dp2", "parallel.zero_stage=1"]), (2, ["parallel=dp2", "parallel.zero_stage=3"]),
-                          (4, ["parallel=dp4", "parallel.zero_stage=2"])):
-        out = tmp_path / f"dp{world}"
-        run_ranks(world, _rank_run, [*common, *layout, f"checkpoint.load={saved}"], str(out))
-        assert losses(out)[0] == pytest.approx(ref[2:], rel=1e-5), layout
+    loads = {"dp2_zero1": ["parallel=dp2", "parallel.zero_stage=1"], "dp2_zero3": ["parallel=dp2", "parallel.zero_stage=3"],
+             "dp4_zero2": ["parallel=dp4", "parallel.zero_stage=2"]}
+    jobs = {name: ([*common, *layout, f"checkpoint.load={saved}"], str(tmp_path / name)) for name, layout in loads.items()}
+    # One set of ranks per world size; the straight run comes first, so its checkpoint exists.
+    run_ranks(2, _rank_runs, [([*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight)),
+                              jobs["dp2_zero1"], jobs["dp2_zero3"]])
+    run_ranks(4, _rank_runs, [jobs["dp4_zero2"]])
+    ref, _ = losses(straight)
+    for name in loads:
+        assert losses(tmp_path / name)[0] == pytest.approx(ref[2:], rel=1e-5), name
     single = tmp_path / "single"
     run(load(*common, f"checkpoint.load={saved}"), single, 1)
     assert losses(single)[0] == pytest.approx(ref[2:], rel=1e-5)
