@@ -84,12 +84,24 @@ def _zero3_timeline(rank, world):
     return steps, total, tied, largest, held, dp.dp
 
 
-def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest():
+def _dp2_measurements(rank, world):
+    """Every measurement below on one set of ranks (starting processes costs more than these)."""
+    return {"comm": {z: _comm_timeline(rank, world, z) for z in (0, 1, 2)},
+            "state": {z: _state_bytes(rank, world, z) for z in (0, 1, 2, 3)},
+            "zero3": _zero3_timeline(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return run_ranks(2, _dp2_measurements)
+
+
+def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest(dp2):
     """Each micro-batch all-gathers every unit once in forward (the tied embedding twice: for the
     embedding and again for the head) and once in backward; gradients reduce-scatter as in ZeRO-2;
     the update moves nothing. Between steps a rank holds 1/dp of the weights, and while computing
     never more than a few layers beyond that."""
-    (steps, total, tied, largest, held, dp), _ = run_ranks(2, _zero3_timeline)
+    steps, total, tied, largest, held, dp = dp2[0]["zero3"]
     assert tied > 0 and largest < total / 3
     shard_bytes = 4 * total // dp
     for i, (seen, fin, upd, at_rest) in enumerate(steps):
@@ -107,9 +119,8 @@ def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest():
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(zero_stage):
-    world = 2
-    (steps, sizes, dp), _ = run_ranks(world, _comm_timeline, zero_stage)
+def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(dp2, zero_stage):
+    steps, sizes, dp = dp2[0]["comm"][zero_stage]
     assert len(sizes) > 3  # several buckets, so there is something to overlap
     total = 4 * sum(sizes)  # fp32 bytes of every bucket (padded to a multiple of dp)
     assert all(s % dp == 0 for s in sizes)
@@ -141,13 +152,13 @@ def _state_bytes(rank, world, zero_stage):
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_model_state_memory_per_rank_matches_the_formula(zero_stage):
+def test_model_state_memory_per_rank_matches_the_formula(dp2, zero_stage):
     """fp32 weights (their own master copy), fp32 gradients, Adam's two moments: 16 bytes a
     parameter unsharded; ZeRO-1 divides the moments by dp, ZeRO-2 the gradients too, ZeRO-3
     the weights as well."""
     from megalm.training.memory import expected_bytes_per_param
     world = 2
-    for got, padding in run_ranks(world, _state_bytes, zero_stage):
+    for got, padding in (ranks["state"][zero_stage] for ranks in dp2):
         n = got["params"]
         expected = expected_bytes_per_param(zero_stage=zero_stage, dp=world) * n
         measured = got["weights"] + got["grads"] + got["optimizer"]
