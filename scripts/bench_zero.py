@@ -7,7 +7,8 @@ Part 1 starts `dp` gloo ranks, each holding one model per zero stage (0, 1, 2, 3
 a noisy machine hits all alike. Reports the median tokens/s of each stage, the model-state bytes
 a rank holds (weights, gradients, Adam moments) against Megatron's formula, the most weight bytes
 it holds during a step (ZeRO-3 gathers layers as they run), and the bytes each rank's dp
-collectives carry per step. Part 2, in this process with every core: fp32 vs bf16
+collectives carry per step. Then each stage runs alone in fresh ranks, for the peak resident
+memory a rank's model and training steps add to a process that has imported torch. Part 2, in this process with every core: fp32 vs bf16
 autocast, and recompute none / selective / full, the same way.
 """
 
@@ -117,6 +118,43 @@ def dp_worker(rank: int, world: int, store: str, args, queue) -> None:
     dist.destroy_process_group()
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_worker(rank: int, world: int, store: str, args, zero: int, queue) -> None:
+    """One zero stage alone in fresh ranks: the peak resident memory a training step adds to a
+    process that has imported torch and joined the group (Linux: ru_maxrss, in KiB)."""
+    import resource
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    cfg = config(args.model, f"parallel.dp={world}", f"parallel.zero_stage={zero}")
+    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+    dist.barrier()
+    base = _rss_bytes()
+    model, dp, opt = build(cfg, mesh)
+    train(cfg, model, dp, opt, _batches(cfg, 8 // (4 * world), seed=rank), 1 + args.steps)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    queue.put((rank, {"base": base, "peak": peak}))
+    dist.destroy_process_group()
+
+
+def _spawn(target, world: int, *args) -> dict:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=target, args=(r, world, store, *args, queue)) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(queue.get(timeout=1800) for _ in procs)
+        for p in procs:
+            p.join()
+    return results
+
+
 def single_process(args) -> None:
     """fp32 vs bf16 autocast, recompute none / selective / full: rounds alternate between them."""
     variants = {"fp32": ("fp32", "none"), "bf16": ("bf16", "none"),
@@ -148,29 +186,22 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dp", type=int, default=2)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=dp_worker, args=(r, args.dp, store, args, queue)) for r in range(args.dp)]
-        for p in procs:
-            p.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for p in procs:
-            p.join()
+    results = _spawn(dp_worker, args.dp, args)
+    rss = {z: _spawn(rss_worker, args.dp, args, z) for z in STAGES}
     cfg = config(args.model)
     tokens = 8 * cfg.model.seq_length
     print(f"model={args.model}, dp={args.dp}, global batch 8 x {cfg.model.seq_length} tokens, fp32, "
           f"median of {args.rounds} rounds x {args.steps} steps")
     print(f"{'zero':<6}{'tokens/s':>10}{'vs 0':>7}{'state MiB/rank':>16}{'formula MiB':>13}{'weights peak':>14}"
-          "   collective bytes a rank sends a step")
+          f"{'peak RSS added MiB/rank':>25}   collective bytes a rank sends a step")
     base = results[0][0]["step_s"]
     for z in STAGES:
         r = results[0][z]
         per_rank = "/".join(f"{results[rk][z]['state'] / 2**20:.1f}" for rk in sorted(results))
         comm = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in sorted(r["comm"].items()))
+        added = "/".join(f"{(m['peak'] - m['base']) / 2**20:.0f}" for _, m in sorted(rss[z].items()))
         print(f"{z:<6}{tokens / r['step_s']:>10.0f}{base / r['step_s']:>6.2f}x{per_rank:>16}"
-              f"{r['expected'] / 2**20:>13.1f}{r['weights_peak'] / 2**20:>14.1f}   {comm}")
+              f"{r['expected'] / 2**20:>13.1f}{r['weights_peak'] / 2**20:>14.1f}{added:>25}   {comm}")
     single_process(args)
 
 
