@@ -310,13 +310,24 @@ RANK_LAYOUTS = {"tp2": ["parallel=tp2", "model.attention_dropout=0.1"],  # the p
                 "pp2": ["parallel=pp2"]}  # stages draw dropout for different layers: their default streams part
 
 
+def _every_layout(rank, world, out):
+    for layout, overrides in RANK_LAYOUTS.items():  # one set of ranks for both (process start-up dominates)
+        _sync_then_async(rank, world, [*COMMON, "trainer.max_steps=4", *overrides], str(Path(out) / layout))
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory):
+    from distributed import run_ranks
+    out = tmp_path_factory.mktemp("two_ranks")
+    run_ranks(2, _every_layout, str(out))
+    return out
+
+
 @pytest.mark.parametrize("layout", RANK_LAYOUTS)
-def test_async_save_and_resume_on_two_ranks_match_the_sync_run(tmp_path, layout):
+def test_async_save_and_resume_on_two_ranks_match_the_sync_run(two_rank_runs, tmp_path, layout):
     """Gloo ranks: DCP's background collectives run beside training's, and each rank's own random
     streams come back, so the resumed async run repeats the sync run bit for bit."""
-    from distributed import run_ranks
-    run_ranks(2, _sync_then_async, [*COMMON, "trainer.max_steps=4", *RANK_LAYOUTS[layout]], str(tmp_path))
-    sync, async_ = tmp_path / "sync", tmp_path / "async"
+    sync, async_ = two_rank_runs / layout / "sync", two_rank_runs / layout / "async"
     for step in ("step_00000002", "step_00000004"):
         assert verify(async_ / "checkpoints" / step) == []
         assert_same_state(stored(sync / "checkpoints" / step, tmp_path), stored(async_ / "checkpoints" / step, tmp_path))

@@ -202,13 +202,10 @@ def test_checkpoint_resumes_and_loads_at_single(tmp_path, family, layout, world)
     common = [*BASE, *(GPT2 if family == "gpt2" else LLAMA), "checkpoint.save=true", "checkpoint.interval=2",
               "optimizer.decay_steps=4"]
     parallel = [*common, *layout]
-    straight = tmp_path / "straight"
-    run_ranks(world, _rank_run, parallel, str(straight))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run_ranks(world, _rank_runs, [(parallel, str(straight)), ([*parallel, "trainer.max_steps=2"], str(resumed)),
+                                  (parallel, str(resumed))])  # the last auto-resumes from step 2 in its directory
     ref, _ = losses(straight)
-
-    resumed = tmp_path / "resumed"
-    run_ranks(world, _rank_run, [*parallel, "trainer.max_steps=2"], str(resumed))
-    run_ranks(world, _rank_run, parallel, str(resumed))  # auto-resume from step 2 in the same directory
     assert losses(resumed)[0] == pytest.approx(ref, rel=1e-5)
 
     from megalm.train import run
