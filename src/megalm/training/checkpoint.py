@@ -40,11 +40,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalm.config import CheckpointConfig
-from megalm.training.checkpoint_shapes import check_shapes, stored_metadata
+from megalm.training.checkpoint_shapes import check_shapes
 from megalm.training.chunks import ChunkedSavePlanner, stage_to_cpu
 from megalm.training.manifest import (
     MANIFEST, folder_problems, fsync_dir, fsync_file, has_manifest, step_folders, write_manifest)
-from megalm.training.safe_load import load_state
+from megalm.training.safe_load import load_state, read_metadata
 from megalm.training.sharded_state import model_entries, optim_entries, zero_vocab_padding
 
 log = logging.getLogger("megalm.checkpoint")
@@ -255,14 +255,14 @@ class Checkpointer:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
         path = resolve(path)
         self._check_whole(path)
-        metadata = stored_metadata(path)
+        metadata = read_metadata(path).state_dict_metadata  # once: shapes, rank streams, and the load
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
         check_shapes(path, metadata, state["model"])
         if optimizer is not None:
             state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state(),
                          **_rank_streams(model, self.tp_group, metadata))
         zero_vocab_padding(model, optimizer, data_parallel)  # the checkpoint fills the real rows only
-        _quiet(load_state, state, path)  # in place; never runs code from the files (safe_load.py)
+        _quiet(load_state, state, path, metadata_read=True)  # in place; never runs code from the files
         if optimizer is not None:
             set_rng_state(state["rng"])
             _set_rank_streams(model, self.tp_group, state)

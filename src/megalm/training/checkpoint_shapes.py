@@ -11,20 +11,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from megalm.training.safe_load import read_metadata
-
 _LISTED = 40  # differences named per kind in the error; the rest are counted
-
-
-def stored_metadata(path: Path) -> dict:
-    """Flattened key ("model.blocks.0.attn.qkv.weight") -> DCP metadata; tensors carry `.size`.
-    Read through safe_load, which builds nothing but DCP's metadata classes."""
-    return read_metadata(path).state_dict_metadata
 
 
 def check_shapes(path: Path, metadata, model_sd) -> None:
     """Raise, listing every difference, if the stored model tensors are not the ones `model_sd`
-    expects. Both sides are global shapes (real vocabulary rows; `model_sd` holds a rank's
+    expects. `metadata`: flattened key ("model.blocks.0.attn.qkv.weight") -> DCP metadata, as
+    safe_load.read_metadata gives it (state_dict_metadata). Both sides are global shapes (real vocabulary rows; `model_sd` holds a rank's
     Chunked entries, megalm.training.sharded_state); a pipeline stage holds only its layers, so
     the expectation is the union over every rank."""
     expected = {k: tuple(v.size()) if hasattr(v, "size") else None for k, v in model_sd.items()}

@@ -56,10 +56,12 @@ class _MetadataUnpickler(pickle.Unpickler):
                                     "checkpoint's metadata; refusing to load it (it could run code)")
 
 
-def load_state(state: dict, path: str | Path) -> None:
+def load_state(state: dict, path: str | Path, metadata_read: bool = False) -> None:
     """dcp.load of `state` in place from the step folder `path`, through the safe reader and
-    planner; a refused file raises UnsafeCheckpointError itself rather than DCP's wrapper."""
-    read_metadata(path)  # first, so a refused .metadata says so rather than through DCP's wrappers
+    planner; a refused file raises UnsafeCheckpointError itself rather than DCP's wrapper.
+    `metadata_read`: the caller has read the metadata through read_metadata already."""
+    if not metadata_read:  # first, so a refused .metadata says so rather than through DCP's wrappers
+        read_metadata(path)
     try:
         dcp.load(state, storage_reader=SafeFileSystemReader(path), planner=SafeLoadPlanner())
     except CheckpointException as e:  # a BaseException: it carries each rank's exception

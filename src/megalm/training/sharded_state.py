@@ -58,7 +58,7 @@ def model_entries(model: nn.Module, data_parallel=None) -> Dict[str, Chunked]:
     return out
 
 
-def _stored_name(model: nn.Module, names: Dict[nn.Parameter, str], p: nn.Parameter) -> str:
+def _stored_name(names: Dict[nn.Parameter, str], p: nn.Parameter) -> str:
     return getattr(p, "tied_copy_of", None) or names[p]
 
 
@@ -72,7 +72,7 @@ def optim_entries(model: nn.Module, optimizer, data_parallel=None) -> Dict[str, 
         for group in inner.param_groups:
             for t in group["params"]:
                 s = holder[t]
-                name = _stored_name(model, names, s.param)
+                name = _stored_name(names, s.param)
                 _state_entries(out, model, name, s.param, inner.state[t], s.start, s.stop)
                 _group_entries(out, name, group)
         return out
@@ -80,7 +80,7 @@ def optim_entries(model: nn.Module, optimizer, data_parallel=None) -> Dict[str, 
     _init_optim_state(optimizer)
     for group in optimizer.param_groups:
         for p in group["params"]:
-            name = _stored_name(model, names, p)
+            name = _stored_name(names, p)
             _state_entries(out, model, name, p, optimizer.state[p], 0, p.numel())
             _group_entries(out, name, group)
     return out
