@@ -25,7 +25,8 @@ def group_files(group):
 
 # A model whose shape divides every shipped layout, for the layout presets.
 BIG = "model=gpt_175b"
-EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.model=/tok.model"]}
+EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.model=/tok.model"],
+         ("model", "gpt_tiny"): ["data=mock"]}  # 256 ids: smaller than the default corpus's 8192-piece tokenizer
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("model", "parallel", "optimizer", "data", "cluster")

@@ -3,11 +3,9 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from megalm.config import Config
 from megalm.launch import spawn_local
@@ -32,12 +30,10 @@ def test_a_failing_rank_stops_the_job_with_its_traceback(tmp_path):
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg: Config = OmegaConf.to_object(compose("config", overrides=["model=gpt_tiny"]))
-    t0 = time.monotonic()
-    with pytest.raises(ChildFailedError) as e:
+    with pytest.raises(SystemExit) as e:
         spawn_local(cfg, tmp_path, 2, entrypoint=_fail_on_rank_1)
-    assert time.monotonic() - t0 < 120
-    msg = e.value.format_msg()
-    assert "boom on rank 1" in msg and "ValueError" in msg
+    msg = str(e.value)
+    assert msg.startswith("megalm: rank 1 failed") and "boom on rank 1" in msg and "ValueError" in msg
 
 
 def test_train_cli_tp2_end_to_end(tmp_path):
@@ -73,7 +69,8 @@ def test_pp2_training_then_generation_from_its_checkpoint(tmp_path):
 
 def test_under_torchrun_each_process_is_a_rank(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["--nproc-per-node", "2", "-m", "megalm.train", "model=gpt_tiny", "data=mock", "parallel=dp2",
+    # --standalone: the rendezvous takes a free port itself, so concurrent runs never clash.
+    args = ["--standalone", "--nproc-per-node", "2", "-m", "megalm.train", "model=gpt_tiny", "data=mock", "parallel=dp2",
             "trainer.max_steps=2", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
             "trainer.eval_steps=1", "trainer.progress_bar=false", "trainer.log_interval=1",
             f"hydra.run.dir={run_dir}"]
@@ -101,7 +98,6 @@ def _rank_1_dies_once(cfg, run_dir):
 
 
 def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
-    import json
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from megalm.config import conf_dir, register_configs
@@ -116,15 +112,13 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     spawn_local(flaky, tmp_path / "flaky", 2, entrypoint=_rank_1_dies_once)
     run(single, tmp_path / "single", 1)
 
-    def last_loss_per_step(d):
-        out = {}
-        for line in (d / "metrics.jsonl").read_text().splitlines():
-            r = json.loads(line)
-            if "loss" in r:
-                out[r["step"]] = r["loss"]  # a re-run step overwrites the lost attempt's record
-        return out
+    def losses(d):
+        return [(r["step"], r["loss"]) for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r]
 
-    got, ref = last_loss_per_step(tmp_path / "flaky"), last_loss_per_step(tmp_path / "single")
-    assert sorted(got) == [1, 2, 3, 4, 5]
-    assert [got[s] for s in range(1, 6)] == pytest.approx([ref[s] for s in range(1, 6)], rel=1e-5)
+    got, ref = losses(tmp_path / "flaky"), dict(losses(tmp_path / "single"))
+    assert [step for step, _ in got] == [1, 2, 3, 4, 5]  # each step once: the lost attempt's step 3 is gone
+    assert [loss for _, loss in got] == pytest.approx([ref[s] for s in range(1, 6)], rel=1e-5)
+    log = (tmp_path / "flaky" / "train.log").read_text()
+    assert "resuming at step 2" in log  # the restarted ranks began at the step-2 checkpoint, not from scratch
     assert (tmp_path / "flaky" / "checkpoints" / "latest").read_text().strip() == "step_00000005"

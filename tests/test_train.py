@@ -89,7 +89,7 @@ def test_task_function_returns_final_val_loss(tmp_path):
     assert val == last["val_loss"] and math.isfinite(val)
 
 
-def test_resume_matches_uninterrupted_run(tmp_path):
+def test_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
     common = [*TINY, "model.dropout=0.1", "trainer.eval_interval=0", "trainer.max_steps=8"]
     straight = tmp_path / "straight"
     run(load(*common), straight)
@@ -97,37 +97,35 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     run(load(*common, "trainer.exit_interval=4"), split)  # saves at step 4 and stops there
     assert (split / "checkpoints" / "latest").read_text().strip() == "step_00000004"
     assert max(r["step"] for r in records(split) if "loss" in r) == 4
+    from megalm.training.trainer import Trainer
+    ran = []
+    original = Trainer.train_step
+    monkeypatch.setattr(Trainer, "train_step", lambda self: ran.append(self.step) or original(self))
     run(load(*common), split)  # same run dir: auto-resumes from step 4
+    assert ran == [4, 5, 6, 7]  # the second start ran steps 5..8 only: it began at the checkpoint
     a = {r["step"]: r["loss"] for r in records(straight) if "loss" in r}
-    b = {r["step"]: r["loss"] for r in records(split) if "loss" in r}
-    assert sorted(b) == list(range(1, 9))
-    for step in range(5, 9):
-        assert b[step] == pytest.approx(a[step], rel=1e-6), step
+    b = [(r["step"], r["loss"]) for r in records(split) if "loss" in r]
+    assert [step for step, _ in b] == list(range(1, 9))  # each step once
+    for step, loss in b[4:]:
+        assert loss == pytest.approx(a[step], rel=1e-6), step
 
 
-def test_bf16_trains_close_to_fp32(tmp_path):
-    losses = {}
-    for precision in ("fp32", "bf16"):
-        run(load(*TINY, "trainer.max_steps=4", "trainer.eval_steps=0", f"trainer.precision={precision}"),
-            tmp_path / precision)
-        losses[precision] = [r["loss"] for r in records(tmp_path / precision) if "loss" in r]
-    # bf16 keeps 8 mantissa bits (relative rounding ~4e-3 per op); over 4 steps of a tiny
-    # model the loss may drift by a few percent, no more.
-    for a, b in zip(losses["fp32"], losses["bf16"]):
-        assert b == pytest.approx(a, rel=5e-2)
-    assert losses["fp32"] != losses["bf16"]  # autocast really ran in bf16
+def test_metrics_after_a_lost_attempt_hold_each_step_once(tmp_path):
+    import shutil
+    common = [*TINY, "trainer.eval_interval=2", "checkpoint.interval=2", "checkpoint.keep_last=0"]
+    run(load(*common, "trainer.max_steps=4"), tmp_path)
+    # As if the job died after logging steps 3-4 but before step 4's checkpoint was published.
+    shutil.rmtree(tmp_path / "checkpoints" / "step_00000004")
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000002\n")
+    run(load(*common, "trainer.max_steps=4"), tmp_path)
+    recs = records(tmp_path)
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 2, 4]
 
 
-def test_wandb_offline_and_tensorboard_error(tmp_path):
+def test_wandb_offline(tmp_path):
     run(load(*TINY, "trainer.max_steps=2", "logging.wandb.mode=offline"), tmp_path / "w")
     assert list((tmp_path / "w" / "wandb").glob("offline-run-*"))
-    import importlib.util
-    if importlib.util.find_spec("tensorboard") is None:
-        with pytest.raises(ValueError, match="logging.tensorboard=true needs the tensorboard package"):
-            run(load(*TINY, "trainer.max_steps=1", "logging.tensorboard=true"), tmp_path / "tb")
-    else:
-        run(load(*TINY, "trainer.max_steps=1", "logging.tensorboard=true"), tmp_path / "tb")
-        assert list((tmp_path / "tb" / "tensorboard").iterdir())
 
 
 def test_half_written_checkpoint_is_not_resumed(tmp_path):
@@ -156,15 +154,6 @@ def test_bad_layout_fails_before_allocating(tmp_path):
     assert r.returncode != 0
     assert "128 ranks" in r.stderr and "torchrun" in r.stderr
     assert not (tmp_path / "r" / "config.yaml").exists()
-
-
-def test_eod_mask_loss_ignores_the_token_after_each_document(tmp_path):
-    stdlib = ["data=stdlib", "data.max_corpus_mb=0.3", "data.split='80,20,0'", "data.tokenizer.vocab_size=512",
-              "model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=1",
-              "trainer.eval_steps=200"]  # all the validation documents, so several of them end in view
-    plain = run(load(*TINY, *stdlib), tmp_path / "plain")
-    masked = run(load(*TINY, *stdlib, "data.eod_mask_loss=true"), tmp_path / "masked")
-    assert math.isfinite(masked) and masked != plain
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGUSR1"])  # Slurm's --signal=USR1@... warning, too

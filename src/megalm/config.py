@@ -173,6 +173,9 @@ class TrainerConfig:
     """fp16 dynamic scaling: overflowing steps tolerated before the scale halves."""
     min_loss_scale: float = 1.0
     """fp16 dynamic scaling: the scale never drops below this."""
+    max_consecutive_skips: int = 50
+    """fp16: stop the run after this many overflowing (skipped) steps in a row; 0 = never. From 2^32 the scale
+    reaches 1 after hysteresis - 1 + 32 skips, so 50 stops only a run that cannot recover."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping)."""
     seed: int = 1234

@@ -6,14 +6,20 @@ run here fails at once with the numbers and the way to launch it on a cluster.
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import sys
+import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
 from megalm.config import Config
+from megalm.errors import ConfigError, MegalmError, full_errors
 
 
 @dataclass(frozen=True)
@@ -51,7 +57,7 @@ def local_capacity(cfg: Config) -> tuple[int, str]:
 
 
 def plan_world(cfg: Config) -> int:
-    """World size of this job; ValueError when the layout cannot run where we are."""
+    """World size of this job; ConfigError when the layout cannot run where we are."""
     env = detect_rank_env()
     if env is not None:
         return env.world_size
@@ -60,7 +66,7 @@ def plan_world(cfg: Config) -> int:
     if need > have:
         per_node = 8
         nodes = -(-need // per_node)
-        raise ValueError(
+        raise ConfigError(
             f"parallel={p.name} needs tp({p.tp}) * pp({p.pp}) * dp({max(p.dp, 1)}) * cp({p.cp}) = {need} ranks, "
             f"but this machine offers {have} ({where}). Launch it on a cluster, e.g. "
             f"`torchrun --nnodes {nodes} --nproc-per-node {per_node} -m megalm.train model={cfg.model.name} "
@@ -69,11 +75,7 @@ def plan_world(cfg: Config) -> int:
     return need
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+REPORT_DIR_ENV = "MEGALM_RANK_REPORTS"  # where spawned ranks say how they ended (see spawn_local)
 
 
 def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
@@ -81,18 +83,119 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
 
     The ranks get the already-composed, frozen Config (Hydra runs once, here), so they agree on
     every value and on the run directory. A rank that raises stops the whole job: the agent
-    kills the others and ChildFailedError carries the failing rank's traceback.
+    stops the others. Each rank writes how it ended into a report folder (rank_main), so the
+    user sees the first failing rank's message once, not every rank's traceback; a megalm error
+    stays the one line it would be in one process (RankFailure). SIGTERM to this process reaches
+    every rank (the agent forwards it): they save and stop, and the job ends as a single process
+    does, with exit 0, when every rank has saved.
     """
+    import tempfile
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
     # Restarted ranks must not share the rendezvous TCP store with the first attempt: its stale
     # keys hand gloo/nccl the dead ranks' addresses (a known torch elastic problem, pytorch#135712).
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     launch_cfg = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=f"megalm-{os.getpid()}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=cfg.cluster.max_restarts,
+        # Port 0: the agent's store binds a free port itself, so concurrent jobs never collide.
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=cfg.cluster.max_restarts,
         monitor_interval=0.2, start_method="spawn")
-    results = elastic_launch(launch_cfg, entrypoint or rank_main)(cfg, str(run_dir))
+    # The agent logs each failed rank's traceback itself; the ranks' reports say it once, better.
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [logger.level for logger in quiet]
+    for logger in quiet:
+        logger.setLevel(logging.CRITICAL)
+    with tempfile.TemporaryDirectory(prefix="megalm-ranks-") as reports:
+        saved = os.environ.get(REPORT_DIR_ENV)
+        os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
+        try:
+            results = elastic_launch(launch_cfg, entrypoint or rank_main)(cfg, str(run_dir))
+        except ChildFailedError as e:
+            raise rank_failure(Path(reports), e) from None
+        except SignalException as e:
+            return _after_signal(Path(reports), e, world_size)
+        finally:
+            for logger, level in zip(quiet, levels):
+                logger.setLevel(level)
+            if saved is None:
+                os.environ.pop(REPORT_DIR_ENV, None)
+            else:
+                os.environ[REPORT_DIR_ENV] = saved
     return results[0]
+
+
+def _reports(folder: Path) -> List[dict]:
+    """The reports of the newest attempt (elastic restarts start a new one), earliest first."""
+    found = []
+    for path in folder.glob("rank*.json"):
+        try:
+            found.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue  # a rank killed while writing its report
+    if not found:
+        return []
+    attempt = max(r["attempt"] for r in found)
+    return sorted((r for r in found if r["attempt"] == attempt), key=lambda r: r["time"])
+
+
+def rank_failure(folder: Path, error) -> BaseException:
+    """What to show for a failed multi-rank job: the first failing rank's own report."""
+    failed = [r for r in _reports(folder) if r["status"] != "ok"]
+    if failed:
+        first = failed[0]
+        if first["status"] == "megalm":
+            return RankFailure(first["message"], first["kind"], first["rank"])
+        return SystemExit(f"megalm: rank {first['rank']} failed, so the job stopped (the other ranks were "
+                          f"stopped):\n{first['traceback']}")
+    rank, failure = error.get_first_failure()  # no report: another entrypoint, or a rank that died without a word
+    data = failure.error_file_data if isinstance(failure.error_file_data, dict) else {}
+    recorded = data.get("message")
+    if isinstance(recorded, dict) and recorded.get("extraInfo", {}).get("py_callstack"):
+        return SystemExit(f"megalm: rank {rank} failed, so the job stopped:\n{recorded['extraInfo']['py_callstack']}")
+    how = (f"exit code {failure.exitcode}" if failure.exitcode >= 0 else
+           f"signal {_signal_name(-failure.exitcode)}")
+    hint = " (SIGKILL is what the kernel's out-of-memory killer sends: see `dmesg`)" if failure.exitcode == -9 else ""
+    return SystemExit(f"megalm: rank {rank} died with {how}{hint}, so the job stopped")
+
+
+def _signal_name(number: int) -> str:
+    import signal
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return str(number)
+
+
+def _after_signal(folder: Path, error, world_size: int):
+    """The agent got SIGTERM and passed it on: exit 0 if every rank saved and stopped cleanly."""
+    done = [r for r in _reports(folder) if r["status"] == "ok"]
+    if len(done) == world_size:
+        logging.getLogger("megalm.launch").warning(
+            "%s: every rank saved and stopped; start again in this run directory to resume", error.sigval.name)
+        return next(r.get("result") for r in done if r["rank"] == 0)
+    raise SystemExit(f"megalm: stopped by {error.sigval.name} before every rank had saved "
+                     f"({len(done)} of {world_size} did); the newest complete checkpoint resumes")
+
+
+class RankFailure(MegalmError):
+    """A megalm error raised on one rank of a spawned job, shown as that rank raised it."""
+
+    def __init__(self, message: str, kind: str, rank: int):
+        super().__init__(f"{message} (rank {rank})")
+        self.kind, self.rank = kind, rank
+
+
+def _write_report(rank: int, **fields) -> None:
+    folder = os.environ.get(REPORT_DIR_ENV)
+    if not folder:
+        return
+    record = dict(rank=rank, attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), time=time.time(),
+                  **fields)
+    path = Path(folder) / f"rank{rank}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record, default=str))
+    tmp.replace(path)
 
 
 def init_distributed(cfg: Config, device_type: str) -> None:
@@ -102,7 +205,7 @@ def init_distributed(cfg: Config, device_type: str) -> None:
         return
     env = os.environ
     if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
-        raise ValueError("under srun set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
+        raise ConfigError("under srun set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
                          "$SLURM_JOB_NODELIST and a free port) before starting megalm")
     if "RANK" not in env:  # srun: translate SLURM's variables to the ones torch reads
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
@@ -126,8 +229,29 @@ def _rank_main(cfg: Config, run_dir: str):
     from megalm.train import resolve_device, run, setup_rank_logging
     rank = int(os.environ["RANK"])
     setup_rank_logging(rank, Path(run_dir))
-    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
     try:
-        return run(cfg, Path(run_dir), int(os.environ["WORLD_SIZE"]))
-    finally:
-        dist.destroy_process_group()
+        init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+        try:
+            result = run(cfg, Path(run_dir), int(os.environ["WORLD_SIZE"]))
+        finally:
+            dist.destroy_process_group()
+    except MegalmError as e:
+        _write_report(rank, status="megalm", kind=e.kind, message=str(e))
+        if full_errors() or not os.environ.get(REPORT_DIR_ENV):
+            raise
+        raise SystemExit(1) from None  # the launcher prints the report; no traceback on the console
+    except Exception:
+        _write_report(rank, status="error", traceback=traceback.format_exc())
+        if not os.environ.get(REPORT_DIR_ENV):
+            raise
+        raise SystemExit(1) from None
+    _write_report(rank, status="ok", result=result)
+    from megalm.training.trainer import stopped_on_signal
+    if stopped_on_signal() and os.environ.get(REPORT_DIR_ENV):
+        # The agent is shutting down on the signal and will not read a return value, while torch's
+        # worker wrapper would wait for it to, until killed 30 s later: the report says it all.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return result

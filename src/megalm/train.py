@@ -18,7 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from megalm.cli import run_hydra_app
 from megalm.config import Config, conf_dir, register_configs
+from megalm.errors import ConfigError, DataError, DeviceError, MegalmError, cli_errors
 from megalm.validation import reject_unknown_keys, validate
 from megalm.launch import detect_rank_env, init_distributed, plan_world, spawn_local
 
@@ -30,7 +32,7 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+        raise DeviceError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
     return torch.device(name)
 
 
@@ -51,14 +53,20 @@ def setup_rank_logging(rank: int, run_dir: Path) -> None:
 
 
 def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
-    """Train on this rank; return the final validation loss (None when evaluation is off)."""
-    from megalm.data import build_data, num_samples_for
+    """Train on this rank; return the final validation loss (None when evaluation is off).
+
+    Order: what the config and file headers can refuse (the tokenizer against the model, the
+    checkpoint to resume against tokenizer and model) comes before the corpus is tokenized or the
+    model built, and the run directory changes only once the start is accepted.
+    """
+    from megalm.data import build_data, build_data_tokenizer, num_samples_for
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, flops_per_token, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.metrics import MetricLogger, Throughput, measure_matmul_peak
     from megalm.training.optim import LRSchedule, build_optimizer
+    from megalm.training.resume import nothing_left, plan_start
     from megalm.training.trainer import Trainer
 
     t = cfg.trainer
@@ -68,20 +76,25 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     if device.type == "cpu":
         torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
     torch.manual_seed(t.seed)  # the stream shared by every rank (dropout on replicated activations)
-    if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        OmegaConf.save(OmegaConf.structured(cfg), run_dir / "config.yaml")  # the frozen, resolved config
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)
     mesh = build_mesh(dims, device.type)
-    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed,
-                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
-    if data.tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"the tokenizer has {data.tokenizer.vocab_size} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}; set model.vocab_size >= {data.tokenizer.vocab_size}")
-    if rank == 0:
-        data.tokenizer.save_to(run_dir)
+    tokenizer = build_data_tokenizer(cfg.data)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                        f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None,
+                                config_yaml)
+    start = plan_start(cfg, checkpointer, tokenizer, run_dir)
+    why = nothing_left(start, t.max_steps)
+    if why is not None:
+        if rank == 0:
+            log.warning("%s", why)
+        return start.state.get("val_loss")
 
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
+                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
     model = build_model(cfg.model, device="meta", tp=dims.tp)
     model = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
@@ -100,34 +113,43 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.parallel.data import build_data_parallel
     data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None,
-                                OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
-    metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
-                           OmegaConf.to_container(OmegaConf.structured(cfg)))
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer, metrics=metrics, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,
+        checkpointer=checkpointer, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0)
-    latest = checkpointer.latest()
-    if latest is not None:  # auto-resume: the run directory already holds a complete checkpoint
-        trainer.load(latest)
-    elif cfg.checkpoint.load:
-        trainer.load(cfg.checkpoint.load, weights_only=cfg.checkpoint.finetune)
+    if start.path is not None:
+        trainer.load(start.path, weights_only=start.weights_only)
+    # The start is accepted: only now does the run directory change.
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)  # the frozen, resolved config
+        data.tokenizer.save_to(run_dir)
+    trainer.metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
+                                   OmegaConf.to_container(OmegaConf.structured(cfg)), start_step=start.step)
     return trainer.fit()
 
 
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
-def main(dcfg: DictConfig) -> Optional[float]:
+def hydra_main(dcfg: DictConfig) -> Optional[float]:
     """Hydra task function; returns the final validation loss so sweepers can optimise it."""
+    with cli_errors("megalm"):  # printed here: Hydra would add its own line to a raised exception
+        return _task(dcfg)
+
+
+def _task(dcfg: DictConfig) -> Optional[float]:
     try:
         reject_unknown_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)
         world = plan_world(cfg)
         validate(cfg, world)
-    except (ValueError, MissingMandatoryValue) as e:
-        raise SystemExit(f"megalm: invalid config: {e}") from None
+    except MissingMandatoryValue as e:
+        raise ConfigError(f"{e.full_key} has no value (??? in the config); set it, e.g. {e.full_key}=...") from None
+    except ValueError as e:  # validation is pure arithmetic: any ValueError there is about the config
+        if isinstance(e, MegalmError):
+            raise
+        raise ConfigError(str(e)) from None
     run_dir = Path(cfg.run_dir or HydraConfig.get().runtime.output_dir)
     if detect_rank_env() is not None:  # started by torchrun or srun: this process is one rank
         init_distributed(cfg, resolve_device(cfg.trainer.device).type)
@@ -141,11 +163,12 @@ def main(dcfg: DictConfig) -> Optional[float]:
             dist.destroy_process_group()
     if world == 1:
         return run(cfg, run_dir, 1)
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    try:
-        return spawn_local(cfg, run_dir, world)
-    except ChildFailedError as e:
-        raise SystemExit(f"megalm: a rank failed, so the job stopped.\n{e.format_msg()}") from None
+    return spawn_local(cfg, run_dir, world)
+
+
+def main() -> Optional[float]:
+    """`python -m megalm.train` / `megalm-train`: the Hydra app, with megalm's error reporting."""
+    return run_hydra_app(hydra_main)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Cross-field validation of a composed Config: pure arithmetic, before anything is allocated.
 
-Every error is a ValueError that names the values and what is allowed. Nothing here rewrites
-what the user wrote.
+Every error is a ConfigError (a ValueError) that names the values and what is allowed. Nothing
+here rewrites what the user wrote.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, List
 
 from megalm.config import Config, ModelConfig, ParallelConfig
+from megalm.errors import ConfigError
 
 
 CHOICES = {
@@ -31,6 +32,12 @@ CHOICES = {
 }
 
 
+def _near(value: str, allowed) -> str:
+    import difflib
+    close = difflib.get_close_matches(value, list(allowed), n=1)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -38,11 +45,11 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 
 def validate(cfg: Config, world_size: int) -> None:
-    """Check cross-field rules; raise ValueError naming the values and what is allowed."""
+    """Check cross-field rules; raise ConfigError naming the values and what is allowed."""
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{_near(str(value), allowed)}")
     m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.trainer
 
     positive = {
@@ -57,124 +64,137 @@ def validate(cfg: Config, world_size: int) -> None:
     }
     for key, value in positive.items():
         if value < 1:
-            raise ValueError(f"{key}={value} must be at least 1")
+            raise ConfigError(f"{key}={value} must be at least 1")
     non_negative = {
         "optimizer.lr": o.lr, "optimizer.min_lr": o.min_lr, "optimizer.weight_decay": o.weight_decay,
         "optimizer.warmup_steps": o.warmup_steps, "trainer.eval_interval": t.eval_interval,
         "trainer.eval_steps": t.eval_steps, "trainer.grad_clip": t.grad_clip,
         "trainer.num_threads": t.num_threads, "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "cluster.max_restarts": cfg.cluster.max_restarts,
-        "data.max_corpus_mb": cfg.data.max_corpus_mb,
+        "data.max_corpus_mb": cfg.data.max_corpus_mb, "trainer.max_consecutive_skips": t.max_consecutive_skips,
     }
     for key, value in non_negative.items():
         if value < 0:
-            raise ValueError(f"{key}={value} must not be negative")
+            raise ConfigError(f"{key}={value} must not be negative")
     if o.lr == 0:
-        raise ValueError("optimizer.lr=0 would never change the weights; use a positive learning rate")
+        raise ConfigError("optimizer.lr=0 would never change the weights; use a positive learning rate")
     if o.min_lr > o.lr:
-        raise ValueError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+        raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
-        raise ValueError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
+        raise ConfigError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
     if t.log_interval < 1:
-        raise ValueError(f"trainer.log_interval={t.log_interval} must be at least 1")
+        raise ConfigError(f"trainer.log_interval={t.log_interval} must be at least 1")
     for key in ("model.dropout", "model.attention_dropout"):
         if not 0.0 <= _get(cfg, key) < 1.0:
-            raise ValueError(f"{key}={_get(cfg, key)} must be in [0, 1)")
+            raise ConfigError(f"{key}={_get(cfg, key)} must be in [0, 1)")
 
     if m.hidden_size % m.num_attention_heads:
-        raise ValueError(
+        raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
             f"model.num_attention_heads={m.num_attention_heads}")
     if m.head_dim % 2 and m.position_embedding == "rope":
-        raise ValueError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
+        raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
     if m.num_attention_heads % m.kv_heads:
-        raise ValueError(
+        raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_query_groups={m.kv_heads}")
     if m.transformer_impl == "te":
         from megalm.parallel import te_available
         if not te_available():
-            raise ValueError(
+            raise ConfigError(
                 "model.transformer_impl=te needs Transformer Engine on a CUDA device "
                 "(pip install 'megalm[te]'); use model.transformer_impl=local")
-        raise ValueError("model.transformer_impl=te is not wired into the model yet; use local")
+        raise ConfigError("model.transformer_impl=te is not wired into the model yet; use local")
 
     dims = parallel_dims(p, world_size)  # raises on a layout that does not fit the world
     for key, degree in (("model.num_attention_heads", m.num_attention_heads),
                         ("model.num_query_groups", m.kv_heads),  # hidden = heads x head_dim follows
                         ("model.ffn_size", m.ffn_size)):
         if degree % p.tp:
-            raise ValueError(f"{key}={degree} is not divisible by parallel.tp={p.tp}")
+            raise ConfigError(f"{key}={degree} is not divisible by parallel.tp={p.tp}")
     c = cfg.cluster
     if (c.backend == "nccl" or c.launcher != "local") and p.tp > c.devices_per_node:
-        raise ValueError(f"parallel.tp={p.tp} is larger than cluster.devices_per_node={c.devices_per_node} "
+        raise ConfigError(f"parallel.tp={p.tp} is larger than cluster.devices_per_node={c.devices_per_node} "
                          f"(cluster={c.name}): a tensor-parallel group must stay inside one node")
     if p.sequence_parallel and p.tp == 1:
-        raise ValueError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
+        raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
     per_step = t.micro_batch_size * dims.dp
     if t.global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"trainer.global_batch_size={t.global_batch_size} is not divisible by "
             f"micro_batch_size({t.micro_batch_size}) * dp({dims.dp}) = {per_step}")
     if p.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+        raise ConfigError(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
     # Not built yet: refuse clearly rather than silently run something else.
     if t.precision == "fp8":
-        raise ValueError("trainer.precision=fp8 runs through Transformer Engine (model.transformer_impl=te), "
+        raise ConfigError("trainer.precision=fp8 runs through Transformer Engine (model.transformer_impl=te), "
                          "which is not wired in yet; use fp32, bf16 or fp16")
     for key, value in (("trainer.initial_loss_scale", t.initial_loss_scale), ("trainer.min_loss_scale", t.min_loss_scale),
                        ("trainer.loss_scale_window", t.loss_scale_window), ("trainer.hysteresis", t.hysteresis),
                        ("trainer.loss_scale", t.loss_scale if t.loss_scale is not None else 1.0)):
         if value <= 0:
-            raise ValueError(f"{key}={value} must be positive")
+            raise ConfigError(f"{key}={value} must be positive")
     if cfg.checkpoint.finetune and not cfg.checkpoint.load:
-        raise ValueError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
+        raise ConfigError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
     if cfg.checkpoint.async_save and not cfg.checkpoint.save:
-        raise ValueError("checkpoint.async_save=true writes checkpoints in the background, but checkpoint.save=false "
+        raise ConfigError("checkpoint.async_save=true writes checkpoints in the background, but checkpoint.save=false "
                          "writes none; set checkpoint.save=true or drop async_save")
     if p.pp > 1:
         _validate_pipeline(p, m, per_step=t.micro_batch_size * dims.dp, global_batch=t.global_batch_size)
     elif p.virtual_pipeline_size != 1 or p.layers_per_stage:
-        raise ValueError(f"parallel.virtual_pipeline_size={p.virtual_pipeline_size} / layers_per_stage="
+        raise ConfigError(f"parallel.virtual_pipeline_size={p.virtual_pipeline_size} / layers_per_stage="
                          f"{p.layers_per_stage} need pipeline parallelism (parallel.pp={p.pp})")
     if p.sequence_parallel and m.seq_length % p.tp:
-        raise ValueError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
+        raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
                          f"parallel.tp={p.tp}, which does not divide it")
     if p.bucket_size_mb <= 0:
-        raise ValueError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
+        raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
-        raise ValueError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
+        raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
                          f"(got {p.recompute}) and a value of at least 1")
     if cfg.data.source == "indexed":
         if not cfg.data.paths and not cfg.data.blend:
-            raise ValueError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
+            raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
                              "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
         from megalm.data.loader import blend_spec
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
+    _validate_vocab(cfg)
     if t.exit_interval is not None and t.exit_interval < 1:
-        raise ValueError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
+        raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)
+
+
+def _validate_vocab(cfg: Config) -> None:
+    """The tokenizer's size where the config alone tells it (null ids, or a sentencepiece model still to
+    train, which has at most the asked size); a given model file is checked when it is read."""
+    tok, m = cfg.data.tokenizer, cfg.model
+    known = tok.type == "null" or (tok.type == "sentencepiece" and not tok.model and cfg.data.source == "stdlib")
+    if known and tok.vocab_size > m.vocab_size:
+        what = "null tokenizer's ids" if tok.type == "null" else "sentencepiece vocabulary to train"
+        raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size} (the {what}) is larger than model.vocab_size="
+                          f"{m.vocab_size}; set model.vocab_size >= {tok.vocab_size} or data.tokenizer.vocab_size <= "
+                          f"{m.vocab_size}")
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_batch: int) -> None:
     from megalm.parallel.pipeline import MULTI_STAGE, stage_layer_ranges
     schedule, v = p.pipeline_schedule, p.virtual_pipeline_size
     if schedule in ("gpipe", "1f1b") and v != 1:
-        raise ValueError(f"parallel.pipeline_schedule={schedule} runs one stage per rank; "
+        raise ConfigError(f"parallel.pipeline_schedule={schedule} runs one stage per rank; "
                          f"virtual_pipeline_size={v} needs interleaved_1f1b or interleaved_zb")
     if schedule in ("interleaved_1f1b", "interleaved_zb") and v < 2:
-        raise ValueError(f"parallel.pipeline_schedule={schedule} needs virtual_pipeline_size >= 2 (got {v})")
+        raise ConfigError(f"parallel.pipeline_schedule={schedule} needs virtual_pipeline_size >= 2 (got {v})")
     if schedule == "zbv" and v != 2:
-        raise ValueError(f"parallel.pipeline_schedule=zbv places exactly 2 stages per rank in a V; "
+        raise ConfigError(f"parallel.pipeline_schedule=zbv places exactly 2 stages per rank in a V; "
                          f"set virtual_pipeline_size=2 (got {v})")
     stages = p.pp * v
     stage_layer_ranges(m.num_layers, stages, p.layers_per_stage)
     micro = global_batch // per_step if per_step and global_batch % per_step == 0 else 0
     if micro and micro < p.pp:
-        raise ValueError(f"{micro} micro-batches per step (global_batch_size {global_batch} / (micro_batch_size * "
+        raise ConfigError(f"{micro} micro-batches per step (global_batch_size {global_batch} / (micro_batch_size * "
                          f"dp) {per_step}) is fewer than parallel.pp={p.pp}: the pipeline never fills")
     if micro and schedule in MULTI_STAGE and micro % p.pp:
-        raise ValueError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
+        raise ConfigError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
                          f"to be a multiple of parallel.pp={p.pp}")
 
 
@@ -182,9 +202,9 @@ def split_weights(split: str) -> List[float]:
     try:
         weights = [float(w) for w in split.replace("/", ",").split(",")]
     except ValueError:
-        raise ValueError(f"data.split={split!r} must be comma-separated numbers, e.g. '98,2,0'") from None
+        raise ConfigError(f"data.split={split!r} must be comma-separated numbers, e.g. '98,2,0'") from None
     if len(weights) > 3 or any(w < 0 for w in weights) or len(weights) < 2 or weights[0] <= 0 or weights[1] <= 0:
-        raise ValueError(
+        raise ConfigError(
             f"data.split={split!r} needs 2 or 3 non-negative weights (train, validation[, test]) "
             "with positive train and validation parts")
     return weights
@@ -207,7 +227,7 @@ def reject_unknown_keys(node: Any, path: str = "") -> None:
         known = {f.name for f in dataclasses.fields(schema)}
         extra = sorted(set(node.keys()) - known)
         if extra:
-            raise ValueError(f"unknown key(s) {', '.join(path + str(k) for k in extra)}; "
+            raise ConfigError(f"unknown key(s) {', '.join(path + str(k) for k in extra)}; "
                              f"{schema.__name__} has: {', '.join(sorted(known))}")
     for key in node.keys():
         reject_unknown_keys(node._get_node(key), f"{path}{key}.")

@@ -14,7 +14,7 @@ _EXPORTS = {
     "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask"),
     "megalm.data.blended": ("BlendedDataset", "blending_indices", "parse_blend"),
     "megalm.data.indexed": ("IndexedDataset", "IndexedDatasetWriter", "best_dtype", "merge_datasets"),
-    "megalm.data.loader": ("DataBundle", "DataExhaustedError", "MicroBatchLoader", "build_data",
+    "megalm.data.loader": ("DataBundle", "DataExhaustedError", "MicroBatchLoader", "build_data", "build_data_tokenizer",
                            "num_samples_for", "split_documents"),
     "megalm.data.tokenizer": ("HuggingFaceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "Tokenizer",
                               "load_tokenizer", "build_tokenizer", "padded_vocab_size"),

@@ -27,6 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from megalm.data.cache import load_or_build
+from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")
 
@@ -38,16 +39,16 @@ _CHUNK = 2048  # time steps per chunk of the parallel-in-time build
 
 def _as_weight(value: Any, where: str) -> float:
     if isinstance(value, bool):
-        raise ValueError(f"{where}: weight {value!r} is not a number")
+        raise DataError(f"{where}: weight {value!r} is not a number")
     if isinstance(value, Real):
         w = float(value)
     else:
         try:
             w = float(str(value))
         except ValueError:
-            raise ValueError(f"{where}: weight {value!r} is not a number") from None
+            raise DataError(f"{where}: weight {value!r} is not a number") from None
     if not math.isfinite(w):
-        raise ValueError(f"{where}: weight {value!r} is not finite")
+        raise DataError(f"{where}: weight {value!r} is not finite")
     return w
 
 
@@ -59,29 +60,29 @@ def parse_blend(spec: Sequence[Any], what: str = "data.blend") -> List[Tuple[flo
     """
     items = list(spec)
     if not items:
-        raise ValueError(f"{what} is empty")
+        raise DataError(f"{what} is empty")
     pairs: List[Tuple[float, str]] = []
     if all(isinstance(x, (list, tuple)) or _is_sequence_node(x) for x in items):
         for k, pair in enumerate(items):
             pair = list(pair)
             if len(pair) != 2:
-                raise ValueError(f"{what}[{k}]={pair!r} must be [weight, prefix]")
+                raise DataError(f"{what}[{k}]={pair!r} must be [weight, prefix]")
             pairs.append((_as_weight(pair[0], f"{what}[{k}]"), str(pair[1])))
     elif len(items) == 1:
         pairs.append((1.0, str(items[0])))
     else:
         if len(items) % 2:
-            raise ValueError(f"{what}={items!r}: the flat form alternates weight and prefix, but it has "
+            raise DataError(f"{what}={items!r}: the flat form alternates weight and prefix, but it has "
                              f"{len(items)} entries")
         for k in range(0, len(items), 2):
             pairs.append((_as_weight(items[k], f"{what}[{k}]"), str(items[k + 1])))
     for k, (w, prefix) in enumerate(pairs):
         if w < 0:
-            raise ValueError(f"{what}: weight {w} of {prefix} is negative; weights must be >= 0")
+            raise DataError(f"{what}: weight {w} of {prefix} is negative; weights must be >= 0")
         if not prefix or prefix == "None":
-            raise ValueError(f"{what}: entry {k} has no dataset prefix")
+            raise DataError(f"{what}: entry {k} has no dataset prefix")
     if sum(w for w, _ in pairs) <= 0:
-        raise ValueError(f"{what}: all weights are zero ({', '.join(f'{w} {p}' for w, p in pairs)}); "
+        raise DataError(f"{what}: all weights are zero ({', '.join(f'{w} {p}' for w, p in pairs)}); "
                          "at least one must be positive")
     return pairs
 
@@ -98,7 +99,7 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     """float64 weights / their sum, as Megatron normalizes them."""
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
-        raise ValueError(f"blend weights {list(map(float, np.ravel(w)))} must be finite, >= 0, "
+        raise DataError(f"blend weights {list(map(float, np.ravel(w)))} must be finite, >= 0, "
                          "and not all zero")
     return w / w.sum()
 
@@ -142,9 +143,9 @@ def blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndarray, n
     w = normalize_weights(weights)
     k = w.size
     if k > np.iinfo(np.int16).max:
-        raise ValueError(f"{k} datasets is more than a blend can index (int16)")
+        raise DataError(f"{k} datasets is more than a blend can index (int16)")
     if size < 0:
-        raise ValueError(f"blend size {size} must not be negative")
+        raise DataError(f"blend size {size} must not be negative")
     if size == 0:
         return np.zeros(0, np.int16), np.zeros(0, np.int64)
     chunk = min(_CHUNK, size)
@@ -194,7 +195,7 @@ class BlendedDataset:
     def __init__(self, datasets: Sequence[Any], weights: Sequence[float], size: int, name: str = "train",
                  cache_dir: Optional[Union[str, Path]] = None, description: Optional[dict] = None):
         if len(datasets) != len(weights):
-            raise ValueError(f"{len(datasets)} datasets but {len(weights)} weights")
+            raise DataError(f"{len(datasets)} datasets but {len(weights)} weights")
         self.datasets, self.name, self.size = list(datasets), name, int(size)
         self.weights = normalize_weights(weights)
         start = time.perf_counter()
@@ -209,7 +210,7 @@ class BlendedDataset:
             np.zeros(len(self.datasets), np.int64)
         for d, (ds, n) in enumerate(zip(self.datasets, counts)):
             if n > len(ds):
-                raise ValueError(f"{name} blend of {self.size} samples takes {n} from dataset {d} "
+                raise DataError(f"{name} blend of {self.size} samples takes {n} from dataset {d} "
                                  f"(weight {self.weights[d]:.4g}), which has only {len(ds)}")
         log.info("%s blend: %d samples from %s in %.2f s", name, self.size,
                  ", ".join(f"{n} ({w:.3f})" for n, w in zip(counts, self.weights)), time.perf_counter() - start)

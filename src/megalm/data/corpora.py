@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
+from megalm.errors import DataError
+
 # Third-party and bytecode directories are not "the standard library's own source".
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _MB = 1_000_000
@@ -88,7 +90,7 @@ def stdlib_corpus(max_corpus_mb: float = 0.0, root: Optional[str] = None) -> Std
     fair sample of the whole. MB here is 10^6 bytes of source.
     """
     if max_corpus_mb < 0:
-        raise ValueError(f"max_corpus_mb={max_corpus_mb} must not be negative")
+        raise DataError(f"max_corpus_mb={max_corpus_mb} must not be negative")
     base = Path(root or sysconfig.get_paths()["stdlib"]).resolve()
     candidates: List[str] = []
     for dirpath, dirnames, filenames in os.walk(base):
@@ -97,7 +99,7 @@ def stdlib_corpus(max_corpus_mb: float = 0.0, root: Optional[str] = None) -> Std
             if name.endswith(".py"):
                 candidates.append(Path(dirpath, name).relative_to(base).as_posix())
     if not candidates:
-        raise ValueError(f"no *.py files under the stdlib directory {base}")
+        raise DataError(f"no *.py files under the stdlib directory {base}")
     candidates.sort(key=_order_key)
 
     limit = int(max_corpus_mb * _MB) if max_corpus_mb > 0 else None
@@ -114,7 +116,7 @@ def stdlib_corpus(max_corpus_mb: float = 0.0, root: Optional[str] = None) -> Std
         files.append((rel, len(data)))
         total += len(data)
     if not files:
-        raise ValueError(
+        raise DataError(
             f"max_corpus_mb={max_corpus_mb} ({limit} bytes) is smaller than the first "
             f"stdlib file in corpus order; use a larger limit or 0 for all of it")
     return StdlibCorpus(base, files)

@@ -33,6 +33,7 @@ import numpy as np
 
 from megalm.data.cache import load_or_build
 from megalm.data.indexed import IndexedDataset
+from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")
 
@@ -130,16 +131,16 @@ def build_gpt_indices(sizes: np.ndarray, documents: Union[range, np.ndarray], se
     """document_index, sample_index and shuffle_index for the documents `documents` of a dataset
     whose document d has sizes[d] tokens. Needs no token file: only the lengths."""
     if seq_length < 1:
-        raise ValueError(f"seq_length={seq_length} must be at least 1")
+        raise DataError(f"seq_length={seq_length} must be at least 1")
     if not 0 <= seed < 2**32:
-        raise ValueError(f"seed={seed} must be in [0, 2**32) (numpy RandomState)")
+        raise DataError(f"seed={seed} must be in [0, 2**32) (numpy RandomState)")
     if num_samples is not None and num_samples < 0:
-        raise ValueError(f"num_samples={num_samples} must not be negative")
+        raise DataError(f"num_samples={num_samples} must not be negative")
     documents = np.arange(documents.start, documents.stop, dtype=np.int32) if isinstance(documents, range) \
         else np.asarray(documents, dtype=np.int32)
     tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < seq_length + 1:
-        raise ValueError(f"{tokens_per_epoch} tokens in {documents.size} documents are fewer than one sample "
+        raise DataError(f"{tokens_per_epoch} tokens in {documents.size} documents are fewer than one sample "
                          f"of seq_length + 1 = {seq_length + 1}")
     epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
     separate = separate_final_epoch_for(tokens_per_epoch, seq_length, num_samples, epochs)
@@ -175,9 +176,9 @@ class GPTDataset:
                  name: str = "train", num_samples: Optional[int] = None,
                  cache_dir: Optional[Union[str, Path]] = None):
         if seq_length < 1:
-            raise ValueError(f"seq_length={seq_length} must be at least 1")
+            raise DataError(f"seq_length={seq_length} must be at least 1")
         if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
-            raise ValueError(f"{name} split: documents {documents} are not a contiguous range "
+            raise DataError(f"{name} split: documents {documents} are not a contiguous range "
                              f"within the {indexed.num_documents} documents of {indexed.prefix}")
         self.indexed, self.name, self.seq_length, self.seed = indexed, name, seq_length, seed
         self.documents, self.num_samples = documents, num_samples
@@ -186,7 +187,7 @@ class GPTDataset:
         self.num_tokens = int(sizes[documents.start:documents.stop].sum())
         need = seq_length + 1
         if self.num_tokens < need:
-            raise ValueError(
+            raise DataError(
                 f"{name} split has {self.num_tokens} tokens in {len(documents)} documents "
                 f"(documents {documents.start}..{documents.stop} of {indexed.prefix}), but one "
                 f"sample needs seq_length + 1 = {need}; use more data or a different split")
@@ -248,10 +249,10 @@ class MockGPTDataset:
         if num_samples is None:
             num_samples = _MOCK_DEFAULT_SAMPLES
         if vocab_size < 2 or seq_length < 1 or num_samples < 1:
-            raise ValueError(f"mock dataset needs vocab_size >= 2, seq_length >= 1, num_samples >= 1 "
+            raise DataError(f"mock dataset needs vocab_size >= 2, seq_length >= 1, num_samples >= 1 "
                              f"(got {vocab_size}, {seq_length}, {num_samples})")
         if name not in _SPLIT_IDS:
-            raise ValueError(f"mock split name {name!r} is not one of {', '.join(_SPLIT_IDS)}")
+            raise DataError(f"mock split name {name!r} is not one of {', '.join(_SPLIT_IDS)}")
         self.vocab_size, self.seq_length, self.seed, self.name = vocab_size, seq_length, seed, name
         self._num_samples = num_samples
 

@@ -23,6 +23,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
+from megalm.errors import DataError, MissingFileError
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N, D+1
@@ -99,7 +101,7 @@ def _install(bin_tmp: str, idx_tmp: str, bin_path: Path, idx_path: Path) -> None
 def _check_dtype(dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype.newbyteorder("=") not in _CODE_OF:
-        raise ValueError(f"dtype {dtype} is not one the format supports: "
+        raise DataError(f"dtype {dtype} is not one the format supports: "
                          f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
     return dtype.newbyteorder("<")
 
@@ -135,17 +137,17 @@ class IndexedDatasetWriter:
         if arr.size:
             lo, hi = arr.min(), arr.max()
             if lo < self._lo or hi > self._hi:
-                raise ValueError(f"ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} "
+                raise DataError(f"ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} "
                                  f"([{self._lo}, {self._hi}])")
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document, stored as one sequence."""
         arr = np.asarray(ids if isinstance(ids, np.ndarray) else list(ids))
         if arr.ndim != 1:
-            raise ValueError(f"a document must be a 1-D sequence of ids, got shape {arr.shape}")
+            raise DataError(f"a document must be a 1-D sequence of ids, got shape {arr.shape}")
         self._check_range(arr)
         if arr.size > np.iinfo(np.int32).max:
-            raise ValueError(f"a document of {arr.size} tokens exceeds the format's int32 length")
+            raise DataError(f"a document of {arr.size} tokens exceeds the format's int32 length")
         self._bin.write(arr.astype(self._dtype, copy=False).tobytes())
         self._sizes.append(arr.size)
 
@@ -155,10 +157,10 @@ class IndexedDatasetWriter:
         lengths = np.asarray(lengths, dtype=np.int64)
         if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
                 (lengths.size and lengths.min() < 0):
-            raise ValueError(f"{lengths.size} document lengths summing to {int(lengths.sum())} do not "
+            raise DataError(f"{lengths.size} document lengths summing to {int(lengths.sum())} do not "
                              f"describe {tokens.size} tokens")
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"a document of {lengths.max()} tokens exceeds the format's int32 length")
+            raise DataError(f"a document of {lengths.max()} tokens exceeds the format's int32 length")
         self._check_range(tokens)
         self._bin.write(tokens.astype(self._dtype, copy=False).tobytes())
         self._sizes.extend(lengths.tolist())
@@ -205,24 +207,24 @@ class IndexedDataset:
         self.bin_path, self.idx_path = bin_path, idx_path = dataset_paths(prefix)
         for path in (idx_path, bin_path):
             if not path.is_file():
-                raise FileNotFoundError(f"{path} does not exist (indexed dataset prefix {self.prefix!r} "
+                raise MissingFileError(f"{path} does not exist (indexed dataset prefix {self.prefix!r} "
                                         "needs both .idx and .bin)")
         idx_bytes = idx_path.stat().st_size
         if idx_bytes < _HEADER.size:
-            raise ValueError(f"{idx_path}: {idx_bytes} bytes is shorter than the {_HEADER.size}-byte header")
+            raise DataError(f"{idx_path}: {idx_bytes} bytes is shorter than the {_HEADER.size}-byte header")
         buf = np.memmap(idx_path, dtype=np.uint8, mode="r")
         magic, version, code, n, n_doc_idx = _HEADER.unpack(bytes(buf[:_HEADER.size]))
         if magic != MAGIC:
-            raise ValueError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r} "
+            raise DataError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r} "
                              "(not a Megatron indexed dataset index)")
         if version != VERSION:
-            raise ValueError(f"{idx_path}: version {version} is not supported (only {VERSION})")
+            raise DataError(f"{idx_path}: version {version} is not supported (only {VERSION})")
         if code not in DTYPE_CODES:
-            raise ValueError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+            raise DataError(f"{idx_path}: unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
         self.dtype = np.dtype(DTYPE_CODES[code]).newbyteorder("<")
         expected = _HEADER.size + 12 * n + 8 * n_doc_idx
         if idx_bytes not in (expected, expected + n):  # + int8[N] sequence modes
-            raise ValueError(f"{idx_path}: {idx_bytes} bytes, but a header of {n} sequences and "
+            raise DataError(f"{idx_path}: {idx_bytes} bytes, but a header of {n} sequences and "
                              f"{n_doc_idx} document indices needs {expected}")
         self.sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=_HEADER.size)
         self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=_HEADER.size + 4 * n)
@@ -236,15 +238,15 @@ class IndexedDataset:
         bin_bytes = bin_path.stat().st_size
         need = int(self.offsets[-1]) * self.dtype.itemsize
         if bin_bytes != need:
-            raise ValueError(f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes "
+            raise DataError(f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes "
                              f"{int(self.offsets[-1])} tokens of {self.dtype} = {need} bytes")
         if self.sizes.size and self.sizes.min() < 0:
-            raise ValueError(f"{idx_path}: negative sequence length {int(self.sizes.min())}")
+            raise DataError(f"{idx_path}: negative sequence length {int(self.sizes.min())}")
         if not np.array_equal(self.pointers, self.offsets[:-1] * self.dtype.itemsize):
-            raise ValueError(f"{idx_path}: sequence pointers are not the running sum of the lengths")
+            raise DataError(f"{idx_path}: sequence pointers are not the running sum of the lengths")
         d = self.doc_idx
         if n_doc_idx < 1 or d[0] != 0 or d[-1] != n or np.any(np.diff(d) < 0):
-            raise ValueError(f"{idx_path}: document indices must rise from 0 to {n} "
+            raise DataError(f"{idx_path}: document indices must rise from 0 to {n} "
                              f"(got {n_doc_idx} entries from {d[0] if n_doc_idx else None} "
                              f"to {d[-1] if n_doc_idx else None})")
         # np.memmap cannot map an empty file.
@@ -324,7 +326,7 @@ class IndexedDataset:
             seq = int(np.searchsorted(self.offsets, pos, side="right")) - 1
             doc = int(np.searchsorted(self.doc_idx, seq, side="right")) - 1
             where = f" at token {pos} (document {doc}, {pos - int(self.offsets[self.doc_idx[doc]])} tokens in)"
-        raise ValueError(f"{self.bin_path}: token id {bad}{where} is outside the tokenizer's vocabulary of "
+        raise DataError(f"{self.bin_path}: token id {bad}{where} is outside the tokenizer's vocabulary of "
                          f"{vocab_size} ids (the file holds ids {lo}..{hi}); was it tokenized with another "
                          "tokenizer?")
 
@@ -340,21 +342,21 @@ def merge_datasets(prefixes: Sequence[PathLike], output_prefix: PathLike) -> Ind
     must share one dtype; the output appears atomically, like the writer's.
     """
     if not prefixes:
-        raise ValueError("merge needs at least one input prefix")
+        raise DataError("merge needs at least one input prefix")
     sets: List[IndexedDataset] = [IndexedDataset(p) for p in prefixes]
     dtypes = {str(s.dtype) for s in sets}
     if len(dtypes) > 1:
         listing = ", ".join(f"{s.prefix} ({s.dtype})" for s in sets)
-        raise ValueError(f"cannot merge datasets of different token dtypes: {listing}")
+        raise DataError(f"cannot merge datasets of different token dtypes: {listing}")
     with_modes = [s.modes is not None or len(s) == 0 for s in sets]
     if any(s.modes is not None for s in sets) and not all(with_modes):
-        raise ValueError("cannot merge datasets with sequence modes and datasets without: "
+        raise DataError("cannot merge datasets with sequence modes and datasets without: "
                          + ", ".join(f"{s.prefix} ({'modes' if s.modes is not None else 'no modes'})"
                                      for s in sets))
     bin_path, idx_path = dataset_paths(output_prefix)
     for s in sets:
         if s.bin_path.resolve() == bin_path.resolve():
-            raise ValueError(f"merge output {output_prefix} is also an input")
+            raise DataError(f"merge output {output_prefix} is also an input")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
     dtype = sets[0].dtype
     sizes = np.concatenate([s.sizes.astype(np.int64) for s in sets])

@@ -25,7 +25,9 @@ from megalm.data.blended import BlendedDataset, parse_blend, per_dataset_samples
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
+from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")
 
@@ -87,7 +89,7 @@ def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
     """(weight, prefix) pairs of a source=indexed config, from data.blend or data.paths."""
     blend, paths = list(cfg.blend or []), list(cfg.paths or [])
     if blend and paths:
-        raise ValueError(f"set data.paths (one prefix) or data.blend (weighted prefixes), not both "
+        raise DataError(f"set data.paths (one prefix) or data.blend (weighted prefixes), not both "
                          f"(got paths={paths}, blend={blend})")
     if blend:
         return parse_blend(blend, "data.blend")
@@ -97,19 +99,19 @@ def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
         try:
             return parse_blend(paths, "data.paths")  # Megatron's --data-path "w1 p1 w2 p2"
         except ValueError as e:
-            raise ValueError(f"data.paths takes one prefix, or Megatron's flat [weight, prefix, ...]; for "
+            raise DataError(f"data.paths takes one prefix, or Megatron's flat [weight, prefix, ...]; for "
                              f"blending several datasets use data.blend=[[w, prefix], ...] ({e})") from None
-    raise ValueError("data.source=indexed needs data.paths=[prefix] or data.blend=[[weight, prefix], ...]")
+    raise DataError("data.source=indexed needs data.paths=[prefix] or data.blend=[[weight, prefix], ...]")
 
 
 def _requested(num_samples: Optional[Mapping[str, Optional[int]]]) -> Dict[str, Optional[int]]:
     num_samples = dict(num_samples or {})
     unknown = set(num_samples) - set(_SPLITS)
     if unknown:
-        raise ValueError(f"num_samples has unknown split(s) {sorted(unknown)}; use {', '.join(_SPLITS)}")
+        raise DataError(f"num_samples has unknown split(s) {sorted(unknown)}; use {', '.join(_SPLITS)}")
     for name, n in num_samples.items():
         if n is not None and (not isinstance(n, (int, np.integer)) or n < 0):
-            raise ValueError(f"num_samples[{name!r}]={n!r} must be a non-negative integer or None")
+            raise DataError(f"num_samples[{name!r}]={n!r} must be a non-negative integer or None")
     return {name: (None if num_samples.get(name) is None else int(num_samples[name])) for name in _SPLITS}
 
 
@@ -133,41 +135,55 @@ def _token_range(indexed: IndexedDataset, cache_dir: Path) -> Tuple[int, int]:
     return lo, hi
 
 
+def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
+    """The tokenizer `cfg` asks for, before any corpus is tokenized (a stdlib model is trained once, cached)."""
+    if cfg.source == "mock":
+        # No text here: only the id range of the configured tokenizer matters.
+        return NullTokenizer(cfg.tokenizer.vocab_size)
+    if cfg.source == "stdlib":
+        if cfg.tokenizer.type not in ("sentencepiece", "huggingface"):
+            raise DataError(f"data.source=stdlib is text and needs tokenizer.type=sentencepiece or huggingface "
+                            f"(got {cfg.tokenizer.type!r})")
+        return build_tokenizer(cfg.tokenizer, stdlib_corpus(cfg.max_corpus_mb), Path(cfg.cache_dir).expanduser())
+    if cfg.source == "indexed":
+        return build_tokenizer(cfg.tokenizer)
+    raise DataError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
+
+
 def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
-               num_samples: Optional[Mapping[str, Optional[int]]] = None) -> DataBundle:
+               num_samples: Optional[Mapping[str, Optional[int]]] = None,
+               tokenizer: Optional[Tokenizer] = None) -> DataBundle:
     """The tokenizer and the train/valid(/test) datasets that `cfg` describes.
 
     num_samples: samples each split must provide ({"train": ..., "valid": ..., "test": ...}, see
-    num_samples_for); a split left out (or None) gets one epoch of its documents.
+    num_samples_for); a split left out (or None) gets one epoch of its documents. `tokenizer`: the
+    one build_data_tokenizer(cfg) gave, when the caller already has it.
     """
     requested = _requested(num_samples)
     cache_dir = Path(cfg.cache_dir).expanduser()
+    if tokenizer is None:
+        tokenizer = build_data_tokenizer(cfg)
     if cfg.source == "mock":
-        # No text here: only the id range of the configured tokenizer matters.
-        tokenizer: Tokenizer = NullTokenizer(cfg.tokenizer.vocab_size)
         sets = [MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name,
                                None if not requested[name] else requested[name]) for name in _SPLITS]
         return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
     if cfg.source == "stdlib":
-        if cfg.tokenizer.type not in ("sentencepiece", "huggingface"):
-            raise ValueError(f"data.source=stdlib is text and needs tokenizer.type=sentencepiece or huggingface "
-                             f"(got {cfg.tokenizer.type!r})")
         corpus = stdlib_corpus(cfg.max_corpus_mb)
         log.info("corpus: %d stdlib files, %.1f MB", len(corpus), corpus.num_bytes / 1e6)
-        tokenizer = build_tokenizer(cfg.tokenizer, corpus, cache_dir)
         sources = [(1.0, tokenize_corpus(corpus, tokenizer, cache_dir))]
     elif cfg.source == "indexed":
         pairs = blend_spec(cfg)
-        tokenizer = build_tokenizer(cfg.tokenizer)
         for w, prefix in pairs:
             if w == 0:
                 log.info("blend: %s has weight 0 and is not used", prefix)
         sources = [(w, IndexedDataset(Path(prefix).expanduser())) for w, prefix in pairs if w > 0]
+        for _, indexed in sources:
+            check_corpus_tokenizer(indexed.prefix, tokenizer)
         if cfg.check_vocab:
             for _, indexed in sources:
                 indexed.check_vocab(tokenizer.vocab_size, _token_range(indexed, cache_dir))
     else:
-        raise ValueError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
+        raise DataError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
 
     sets: List[Optional[Dataset]] = []
     for k, name in enumerate(_SPLITS):
@@ -226,6 +242,7 @@ def tokenize_corpus(corpus: StdlibCorpus, tokenizer: Tokenizer, cache_dir: Path)
                     batch, size = [], 0
             num_tokens += _write_batch(writer, tokenizer, batch)
         seconds = time.perf_counter() - start
+        write_provenance(prefix, tokenizer, documents=len(corpus), tokens=num_tokens)
         (entry / "stats.json").write_text(json.dumps(
             {"documents": len(corpus), "bytes": corpus.num_bytes, "tokens": num_tokens,
              "seconds": round(seconds, 2), "tokenizer": tokenizer.identity}, indent=1))
@@ -254,15 +271,15 @@ class MicroBatchLoader:
     def __init__(self, dataset: Sequence, *, micro_batch_size: int, global_batch_size: int,
                  dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
         if micro_batch_size < 1 or dp_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size} and dp_size={dp_size} must be at least 1")
+            raise DataError(f"micro_batch_size={micro_batch_size} and dp_size={dp_size} must be at least 1")
         if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
+            raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
         per_step = micro_batch_size * dp_size
         if global_batch_size < 1 or global_batch_size % per_step:
-            raise ValueError(f"global_batch_size={global_batch_size} is not a positive multiple of "
+            raise DataError(f"global_batch_size={global_batch_size} is not a positive multiple of "
                              f"micro_batch_size({micro_batch_size}) * dp_size({dp_size}) = {per_step}")
         if consumed_samples < 0:
-            raise ValueError(f"consumed_samples={consumed_samples} must not be negative")
+            raise DataError(f"consumed_samples={consumed_samples} must not be negative")
         self.dataset = dataset
         self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
         self.dp_rank, self.dp_size = dp_rank, dp_size
@@ -300,5 +317,5 @@ class MicroBatchLoader:
             yield self.next_batch()
 
 
-__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "blend_spec", "build_data", "load_tokenizer",
-           "num_samples_for", "split_documents", "tokenize_corpus"]
+__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "blend_spec", "build_data", "build_data_tokenizer",
+           "load_tokenizer", "num_samples_for", "split_documents", "tokenize_corpus"]

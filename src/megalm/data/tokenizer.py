@@ -28,6 +28,7 @@ from typing import Iterable, List, Optional, Sequence, Union
 import sentencepiece as spm
 
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash
+from megalm.errors import ConfigError, DataError, MissingFileError
 
 log = logging.getLogger("megalm.data")
 
@@ -62,7 +63,7 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, 
     Each tensor-parallel rank then holds an equal, aligned slice of the embedding and output layer.
     """
     if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp < 1:
-        raise ValueError(f"padded_vocab_size needs positive numbers (vocab_size={vocab_size}, "
+        raise DataError(f"padded_vocab_size needs positive numbers (vocab_size={vocab_size}, "
                          f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, tp={tp})")
     multiple = make_vocab_size_divisible_by * tp
     return multiple * math.ceil(vocab_size / multiple)
@@ -84,7 +85,9 @@ class Tokenizer(ABC):
     eod: int
     """End-of-document id, appended after every document."""
     identity: str
-    """Names this exact vocabulary, for cache keys of tokenized data."""
+    """Names this exact vocabulary, for cache keys of tokenized data and the records of what made a corpus."""
+    origin: Optional[str] = None
+    """The file it was read from, for messages; None when built in memory."""
 
     @abstractmethod
     def encode(self, text: str) -> List[int]: ...
@@ -105,17 +108,17 @@ class SentencePieceTokenizer(Tokenizer):
         if not isinstance(model, bytes):
             path = Path(model).expanduser()
             if not path.is_file():
-                raise FileNotFoundError(f"sentencepiece model {path} does not exist")
-            model = path.read_bytes()
+                raise MissingFileError(f"sentencepiece model {path} does not exist")
+            model, self.origin = path.read_bytes(), str(path)
         self._proto = model
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=model)
         except RuntimeError as e:
-            raise ValueError(f"not a sentencepiece model ({len(model)} bytes): {e}") from None
+            raise DataError(f"not a sentencepiece model ({len(model)} bytes): {e}") from None
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
-            raise ValueError("the sentencepiece model has no eos piece to use as end-of-document")
+            raise DataError("the sentencepiece model has no eos piece to use as end-of-document")
         self.identity = "sentencepiece:" + hashlib.sha256(model).hexdigest()[:16]
         # sentencepiece reads a literal U+2581 in the input as a space; its UTF-8 bytes as
         # byte pieces decode back to the character itself.
@@ -206,7 +209,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
     lines = training_lines(texts, max_sentences)
     log.info("tokenizer: training a %d-piece sentencepiece %s on %d lines", vocab_size, model_type, len(lines))
     if not lines:
-        raise ValueError("sentencepiece has nothing to train on: the corpus has no non-blank lines")
+        raise DataError("sentencepiece has nothing to train on: the corpus has no non-blank lines")
     buf = io.BytesIO()
     options = dict(_TRAIN_OPTIONS, model_type=model_type)
     try:
@@ -214,7 +217,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
                                        num_threads=_threads(num_threads), input_sentence_size=0, minloglevel=2,
                                        **options)
     except RuntimeError as e:
-        raise ValueError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
+        raise DataError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
                          f"{len(lines)} lines: {e}") from None
     proto = buf.getvalue()
     log.info("tokenizer: trained in %.1f s", time.perf_counter() - start)
@@ -225,7 +228,7 @@ def _import_tokenizers():
     try:
         import tokenizers
     except ImportError:
-        raise ImportError("tokenizer.type=huggingface needs the `tokenizers` package: "
+        raise ConfigError("tokenizer.type=huggingface needs the `tokenizers` package: "
                           "pip install 'megalm[hf]' (or pip install tokenizers)") from None
     return tokenizers
 
@@ -245,19 +248,19 @@ class HuggingFaceTokenizer(Tokenizer):
         if path.is_dir():
             path = path / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"Hugging Face tokenizer file {path} does not exist")
+            raise MissingFileError(f"Hugging Face tokenizer file {path} does not exist")
         self._json = path.read_bytes()
         try:
             self._tok = tokenizers.Tokenizer.from_str(self._json.decode("utf-8"))
         except Exception as e:  # the Rust side raises its own exception type
-            raise ValueError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
-        self.path = path
+            raise DataError(f"{path} is not a Hugging Face tokenizer.json: {e}") from None
+        self.path, self.origin = path, str(path)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         candidates = (eod_token,) if eod_token else HF_EOD_CANDIDATES
         found = [(c, self._tok.token_to_id(c)) for c in candidates]
         found = [(c, i) for c, i in found if i is not None]
         if not found:
-            raise ValueError(f"{path}: no end-of-document token: "
+            raise DataError(f"{path}: no end-of-document token: "
                              + (f"{eod_token!r} is not in its vocabulary" if eod_token else
                                 f"it has none of {', '.join(HF_EOD_CANDIDATES)}; set tokenizer.eod_token"))
         self.eod_token, self.eod = found[0]
@@ -291,7 +294,7 @@ class NullTokenizer(Tokenizer):
 
     def __init__(self, vocab_size: int):
         if vocab_size < 2:
-            raise ValueError(f"null tokenizer vocab_size={vocab_size} must be at least 2")
+            raise DataError(f"null tokenizer vocab_size={vocab_size} must be at least 2")
         self.vocab_size = vocab_size
         self.eod = vocab_size - 1
         self.identity = f"null:{vocab_size}"
@@ -300,7 +303,7 @@ class NullTokenizer(Tokenizer):
         try:
             return [int(tok) for tok in text.split()]
         except ValueError:
-            raise ValueError(f"the null tokenizer reads space-separated integer ids, got {text[:60]!r}") from None
+            raise DataError(f"the null tokenizer reads space-separated integer ids, got {text[:60]!r}") from None
 
     def decode(self, ids: Iterable[int]) -> str:
         return " ".join(str(int(i)) for i in ids)
@@ -318,11 +321,11 @@ def load_tokenizer(directory: Union[str, os.PathLike]) -> Tokenizer:
     directory = Path(directory).expanduser()
     meta_path = directory / "tokenizer.json"
     if not meta_path.is_file():
-        raise FileNotFoundError(f"{meta_path} does not exist (write it with tokenizer.save_to)")
+        raise MissingFileError(f"{meta_path} does not exist (write it with tokenizer.save_to)")
     try:
         meta = json.loads(meta_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{meta_path} is not JSON: {e}") from None
+        raise DataError(f"{meta_path} is not JSON: {e}") from None
     kind = meta.get("type") if isinstance(meta, dict) else None
     if kind == "sentencepiece":
         return SentencePieceTokenizer(directory / meta.get("model", "tokenizer.model"))
@@ -332,7 +335,7 @@ def load_tokenizer(directory: Union[str, os.PathLike]) -> Tokenizer:
         side = directory / _HF_SIDECAR
         extra = json.loads(side.read_text()) if side.is_file() else {}
         return HuggingFaceTokenizer(meta_path, extra.get("eod_token"), extra.get("add_special_tokens", False))
-    raise ValueError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null, or a Hugging "
+    raise DataError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null, or a Hugging "
                      "Face tokenizer.json)")
 
 
@@ -343,14 +346,14 @@ def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
         return NullTokenizer(cfg.vocab_size)
     if cfg.type == "huggingface":
         if not cfg.model:
-            raise ValueError("tokenizer.type=huggingface needs tokenizer.model: a tokenizer.json or its folder")
+            raise DataError("tokenizer.type=huggingface needs tokenizer.model: a tokenizer.json or its folder")
         return HuggingFaceTokenizer(cfg.model, getattr(cfg, "eod_token", None),
                                     getattr(cfg, "add_special_tokens", False))
     if cfg.type != "sentencepiece":
-        raise ValueError(f"tokenizer.type={cfg.type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        raise DataError(f"tokenizer.type={cfg.type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if cfg.model:
         return SentencePieceTokenizer(cfg.model)
     if corpus is None:
-        raise ValueError("tokenizer.type=sentencepiece needs tokenizer.model (a .model path) "
+        raise DataError("tokenizer.type=sentencepiece needs tokenizer.model (a .model path) "
                          "when there is no text corpus to train one on")
     return SentencePieceTokenizer.train(corpus, cfg.vocab_size, cache_dir)

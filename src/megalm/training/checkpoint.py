@@ -38,8 +38,10 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megalm.config import CheckpointConfig
+from megalm.errors import CheckpointError, MissingFileError
 from megalm.training.checkpoint_shapes import check_shapes
 from megalm.training.chunks import ChunkedSavePlanner, stage_to_cpu
 from megalm.training.manifest import (
@@ -83,11 +85,13 @@ def resolve(path: str | Path) -> Path:
         step_dir = path / marker.read_text().strip()
         if (step_dir / ".metadata").exists() or has_manifest(step_dir):
             return step_dir
-        raise FileNotFoundError(f"{marker} names {step_dir.name}, which holds no complete checkpoint")
-    raise FileNotFoundError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
+        raise MissingFileError(f"{marker} names {step_dir.name}, which holds no complete checkpoint")
+    if not path.exists():
+        raise MissingFileError(f"no checkpoint at {path}: the path does not exist")
+    raise MissingFileError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
 
 
-class CorruptCheckpointError(RuntimeError):
+class CorruptCheckpointError(CheckpointError):
     """A step folder whose files differ from its manifest."""
 
 
@@ -162,7 +166,7 @@ class Checkpointer:
             log.warning("checkpoint %s has no %s (written before megalm recorded one): loading it unverified",
                         folder, MANIFEST)
 
-    def _check_whole(self, path: Path) -> None:
+    def verify(self, path: Path) -> None:
         """Raise, on every rank, if `path` differs from its manifest: an explicit choice never falls back."""
         if str(path) in self._verified:
             return
@@ -209,11 +213,35 @@ class Checkpointer:
             self._pending = (written, tmp, final)
             log.info("writing checkpoint %s in the background", final)
             return final
-        _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkedSavePlanner())
-        if _is_rank0():
-            write_manifest(tmp)
+        try:
+            _quiet(dcp.save, state, storage_writer=dcp.FileSystemWriter(str(tmp)), planner=ChunkedSavePlanner())
+            if _is_rank0():
+                write_manifest(tmp)
+        except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
+            self._write_failed(e, tmp)
         self._publish(tmp, final)
         return final
+
+    def _write_failed(self, error: BaseException, tmp: Path) -> None:
+        """A save that could not write (a full disk, a quota, a read-only mount): name the file and
+        the reason, drop the partial folder; the previous checkpoint stays `latest`."""
+        cause = _os_error_in(error)
+        if cause is None:
+            raise error
+        if _is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        where = cause.filename or tmp
+        raise CheckpointError(
+            f"could not write checkpoint file {where}: {cause.strerror or cause} (errno {cause.errno}). "
+            f"Free space under {self.dir} or point checkpoint.dir elsewhere; the previous checkpoint "
+            f"({self.latest_published() or 'none'}) is kept") from None
+
+    def latest_published(self) -> Optional[Path]:
+        """The step folder `latest` names (for messages); None before the first save."""
+        try:
+            return self.dir / (self.dir / "latest").read_text().strip()
+        except OSError:
+            return None
 
     def _sealer(self) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -226,7 +254,10 @@ class Checkpointer:
             return
         written, tmp, final = self._pending
         self._pending = None
-        written.result()  # DCP's own collectives: every rank's shards are on disk when this returns
+        try:
+            written.result()  # DCP's own collectives: every rank's shards are on disk when this returns
+        except (Exception, CheckpointException) as e:
+            self._write_failed(e, tmp)
         self._publish(tmp, final)
 
     def _publish(self, tmp: Path, final: Path) -> None:
@@ -254,7 +285,7 @@ class Checkpointer:
              data_parallel=None) -> Dict[str, Any]:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
         path = resolve(path)
-        self._check_whole(path)
+        self.verify(path)
         metadata = read_metadata(path).state_dict_metadata  # once: shapes, rank streams, and the load
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
         check_shapes(path, metadata, state["model"])
@@ -268,6 +299,22 @@ class Checkpointer:
             _set_rank_streams(model, self.tp_group, state)
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())
+
+
+def _os_error_in(error: BaseException) -> Optional[OSError]:
+    """The OSError behind `error`: itself, a cause, or one DCP collected from a rank (CheckpointException)."""
+    seen, todo = set(), [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):  # rank -> (exception, stack summary)
+            todo += [failure[0] for failure in e.failures.values()]
+    return None
 
 
 def _role(model: torch.nn.Module, tp_group) -> str:

@@ -11,17 +11,23 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from megalm.errors import CheckpointError
+
 _LISTED = 40  # differences named per kind in the error; the rest are counted
 
 
-def check_shapes(path: Path, metadata, model_sd) -> None:
+class ShapeMismatchError(CheckpointError, ValueError):
+    """The checkpoint holds tensors of another model config."""
+
+
+def check_shapes(path: Path, metadata, model_sd, gather: bool = True) -> None:
     """Raise, listing every difference, if the stored model tensors are not the ones `model_sd`
     expects. `metadata`: flattened key ("model.blocks.0.attn.qkv.weight") -> DCP metadata, as
     safe_load.read_metadata gives it (state_dict_metadata). Both sides are global shapes (real vocabulary rows; `model_sd` holds a rank's
     Chunked entries, megalm.training.sharded_state); a pipeline stage holds only its layers, so
-    the expectation is the union over every rank."""
+    the expectation is the union over every rank (gather=False: `model_sd` is the whole model already)."""
     expected = {k: tuple(v.size()) if hasattr(v, "size") else None for k, v in model_sd.items()}
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if gather and dist.is_initialized() and dist.get_world_size() > 1:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, expected)
         expected = {k: v for part in every for k, v in part.items()}
@@ -39,4 +45,4 @@ def check_shapes(path: Path, metadata, model_sd) -> None:
         if items:
             shown = items[:_LISTED] + ([f"... and {len(items) - _LISTED} more"] if len(items) > _LISTED else [])
             lines.append(f"  {title} ({len(items)}):\n    " + "\n    ".join(shown))
-    raise ValueError("\n".join(lines))
+    raise ShapeMismatchError("\n".join(lines))

@@ -19,9 +19,15 @@ log = logging.getLogger("megalm.metrics")
 
 
 class JsonlSink:
-    """One JSON object a line: training steps carry `step` and `loss`, evaluations `val_loss`."""
+    """One JSON object a line: training steps carry `step` and `loss`, evaluations `val_loss`.
 
-    def __init__(self, path: Path):
+    A run that starts at `start_step` (0, or the step of the checkpoint it resumed) first drops
+    the records of later steps: they belong to an attempt that died after that checkpoint and
+    will be written again, so the file holds each step once.
+    """
+
+    def __init__(self, path: Path, start_step: int = 0):
+        keep_records_through(path, start_step)
         self.file = open(path, "a", buffering=1)
 
     def write(self, record: Dict[str, Any]) -> None:
@@ -29,6 +35,26 @@ class JsonlSink:
 
     def close(self) -> None:
         self.file.close()
+
+
+def keep_records_through(path: Path, step: int) -> None:
+    """Rewrite `path` (atomically) without the records after `step`; all of them when step is 0."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record_step = json.loads(line).get("step")
+        except (ValueError, AttributeError):
+            continue  # a line torn by a kill mid-write
+        if step > 0 and isinstance(record_step, int) and record_step <= step:
+            kept.append(line)
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 class WandbSink:
@@ -63,12 +89,13 @@ class TensorBoardSink:
 
 
 class MetricLogger:
-    def __init__(self, cfg: Optional[LoggingConfig], run_dir: Optional[Path], config: Dict[str, Any]):
+    def __init__(self, cfg: Optional[LoggingConfig], run_dir: Optional[Path], config: Dict[str, Any],
+                 start_step: int = 0):
         self.sinks: List[Any] = []
         if cfg is None or run_dir is None:
             return
         if cfg.jsonl:
-            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+            self.sinks.append(JsonlSink(run_dir / "metrics.jsonl", start_step))
         if cfg.tensorboard:
             self.sinks.append(TensorBoardSink(run_dir))
         if cfg.wandb.mode != "disabled":

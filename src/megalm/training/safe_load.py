@@ -23,6 +23,8 @@ from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from megalm.errors import CheckpointError
+
 # (module, name) pairs a DCP .metadata file is built from, and nothing else.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", n) for n in (
@@ -38,7 +40,7 @@ _METADATA_CLASSES = {
 }
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(CheckpointError, ValueError):
     """A checkpoint file asks to build something other than checkpoint data."""
 
 

@@ -13,6 +13,8 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megalm.config import TrainerConfig
+from megalm.data.provenance import tokenizer_record
+from megalm.errors import TrainingError
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.models.gpt import IGNORE
@@ -21,13 +23,20 @@ from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
 
 log = logging.getLogger("megalm.trainer")
+_stopped_on_signal = False  # signals are per process, and so is this record of one (stopped_on_signal)
+
+
+def stopped_on_signal() -> bool:
+    """True once a fit in this process stopped early because a stop signal reached some rank."""
+    return _stopped_on_signal
 
 
 class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 schedule: LRSchedule, data, checkpointer: Checkpointer, metrics: MetricLogger,
-                 throughput: Throughput, device: torch.device, mesh=None, pipeline=None,
+                 schedule: LRSchedule, data, checkpointer: Checkpointer, throughput: Throughput,
+                 device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, pipeline=None,
                  data_parallel=None, is_rank0: bool = True):
+        """`metrics` may be set later (before fit): the run writes nothing until a resume is accepted."""
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
@@ -53,11 +62,12 @@ class Trainer:
         if pipeline is not None:
             pipeline.loss_scale = self.scaler.scale if self.scaler else 1.0
         self.skipped_steps = 0
+        self.skips_in_a_row = 0
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
         state = {"consumed_samples": self.loader.consumed_samples, "val_loss": self.val_loss,
-                 "skipped_steps": self.skipped_steps}
+                 "skipped_steps": self.skipped_steps, "tokenizer": tokenizer_record(self.data.tokenizer)}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
@@ -109,16 +119,14 @@ class Trainer:
             self.scaler.update(overflow)
         if overflow:
             norm = torch.tensor(float("inf"))
-            self.skipped_steps += 1
-            log.warning("step %d: fp16 gradients overflowed at loss scale %g on some rank; every rank skips "
-                        "the update (loss scale now %g)", self.step + 1, scale, self.scaler.scale)
+            self._skip(scale, mean_over(total, self.dp_group).item())
         else:
             norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group,
                                       self.shard_group)
-            if finite:
-                self.optimizer.step()
-            else:
-                log.warning("step %d: gradient norm is %s; skipping the update", self.step + 1, norm.item())
+            if not finite:  # the norm is global, so every rank stops here together
+                self._diverged(norm.item(), mean_over(total, self.dp_group).item())
+            self.optimizer.step()
+            self.skips_in_a_row = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.throughput.add(self.cfg.global_batch_size * micro_batches[0][0].shape[1])  # seq tokens a sample
@@ -126,6 +134,31 @@ class Trainer:
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
         return out
+
+    def _skip(self, scale: float, loss: float) -> None:
+        """fp16 overflow: skip the update as Megatron does, but stop a run whose scale cannot recover."""
+        self.skipped_steps += 1
+        self.skips_in_a_row += 1
+        log.warning("step %d: fp16 gradients overflowed at loss scale %g on some rank; every rank skips "
+                    "the update (loss scale now %g)", self.step + 1, scale, self.scaler.scale)
+        limit = self.cfg.max_consecutive_skips
+        if limit and self.skips_in_a_row >= limit:
+            raise TrainingError(
+                f"step {self.step + 1}: {self.skips_in_a_row} fp16 steps in a row overflowed (trainer."
+                f"max_consecutive_skips={limit}; loss {loss:.4g}, loss scale now {self.scaler.scale:g}), so "
+                f"training is not progressing. Lower optimizer.lr (now {self.optimizer.param_groups[0]['lr']:.3g}) "
+                f"or use trainer.precision=bf16; {self._kept()}")
+
+    def _diverged(self, norm: float, loss: float) -> None:
+        raise TrainingError(
+            f"step {self.step + 1}: the gradient norm is {norm} (loss {loss:.4g}) in {self.cfg.precision} training: "
+            f"it diverged. Lower optimizer.lr (now {self.optimizer.param_groups[0]['lr']:.3g}) or lengthen "
+            f"optimizer.warmup_steps; {self._kept()}")
+
+    def _kept(self) -> str:
+        last = self.checkpointer.latest_published()
+        return (f"the last checkpoint, {last}, is kept and a rerun resumes from it" if last is not None
+                else "no checkpoint was written")
 
     def _with_mask(self, mb: torch.Tensor):
         """(inputs, labels) of a (mbs, seq + 1) micro-batch; labels after an eod are ignored with eod_mask_loss."""
@@ -204,6 +237,8 @@ class Trainer:
 
     def _fit(self) -> Optional[float]:
         c = self.cfg
+        if self.metrics is None:
+            self.metrics = MetricLogger(None, None, {})
         bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
                    dynamic_ncols=True, desc="train", unit="step")
         with logging_redirect_tqdm():
@@ -212,10 +247,12 @@ class Trainer:
             self.throughput.reset()
             t_start = time.perf_counter()
             while self.step < c.max_steps:
-                out = self.train_step()
-                if not math.isfinite(out["loss"]):
-                    raise FloatingPointError(f"loss is {out['loss']} at step {self.step}; lower optimizer.lr "
-                                             f"(now {self.optimizer.param_groups[0]['lr']:.3g}) or check the data")
+                try:
+                    out = self.train_step()
+                except TrainingError:
+                    self.checkpointer.finish()  # a background save of an earlier, good step still lands
+                    bar.close()
+                    raise
                 bar.update(1)
                 last = self.step == c.max_steps
                 if self.step % c.log_interval == 0 or last:
@@ -237,6 +274,9 @@ class Trainer:
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel)
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
                 if exiting or signalled:
+                    if signalled:
+                        global _stopped_on_signal
+                        _stopped_on_signal = True
                     why = "a stop signal arrived" if signalled else f"trainer.exit_interval={c.exit_interval} reached"
                     log.info("step %d: %s; saved and stopping (start again in this run directory to resume)",
                              self.step, why)

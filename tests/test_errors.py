@@ -1,0 +1,275 @@
+"""The error path as a user meets it: the real command, its exit code, and the first lines it prints.
+
+A megalm error is one line (or a short list) starting `megalm: <kind>:`, never a traceback or
+Hydra's HYDRA_FULL_ERROR footer; a run that goes wrong stops with a non-zero exit; a rejected
+resume leaves the run directory as it was.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megalm.data.corpora import stdlib_corpus
+from megalm.data.indexed import IndexedDatasetWriter
+from megalm.data.provenance import write_provenance
+from megalm.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+
+QUICK = ["model=gpt_tiny", "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_steps=1",
+         "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
+MOCK = [*QUICK, "data=mock"]
+
+
+def cli(*args, cwd, env=None, module="megalm.train", timeout=300):
+    import os
+    full_env = {k: v for k, v in os.environ.items() if k not in ("MEGALM_FULL_ERROR", "HYDRA_FULL_ERROR")}
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def assert_megalm_error(r, kind: str, *expected: str, max_lines: int = 1):
+    """Exit 1, stderr is `megalm: <kind>: ...` in at most `max_lines` lines, naming `expected`."""
+    err = r.stderr.strip()
+    assert r.returncode == 1, (r.returncode, err[-3000:])
+    assert err.startswith(f"megalm: {kind}: "), err[-3000:]
+    assert len(err.splitlines()) <= max_lines, err
+    assert "Traceback" not in r.stdout + r.stderr and "HYDRA_FULL_ERROR" not in err, err
+    for text in expected:
+        assert text in err, (text, err)
+
+
+def steps_of(run_dir: Path):
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line]
+
+
+# -- while composing the config ------------------------------------------------------------------
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.max_stepz=3", ["unknown key trainer.max_stepz", "did you mean trainer.max_steps?", "max_steps"]),
+    ("model=gpt_tny", ["model=gpt_tny is not a model preset", "did you mean gpt_tiny?", "gpt_125m"]),
+    ("data.tokenizer.type=null", ["data.tokenizer.type=null", "quote it"]),
+    ("trainer.max_steps=abc", ["trainer.max_steps=abc", "Integer"]),
+    ("trainer.precision=fp64", ["trainer.precision='fp64' is not one of fp32, bf16, fp16, fp8"]),
+])
+def test_config_mistakes_are_one_line(tmp_path, override, expected):
+    r = cli(*MOCK, override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_megalm_error(r, "invalid config", *expected)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_run_dir_that_is_a_file(tmp_path):
+    (tmp_path / "taken").write_text("not a directory")
+    r = cli(*MOCK, f"hydra.run.dir={tmp_path / 'taken'}", cwd=tmp_path)
+    assert_megalm_error(r, "invalid config", "is a file, not a directory")
+
+
+def test_vocabulary_too_small_fails_before_the_corpus_is_built(tmp_path):
+    # The default corpus trains an 8192-piece tokenizer; gpt_tiny has 256 ids. Said at once:
+    # no tokenizer trained, no corpus tokenized (the cache stays empty).
+    r = cli(*QUICK, f"data.cache_dir={tmp_path / 'cache'}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_megalm_error(r, "invalid config", "data.tokenizer.vocab_size=8192", "model.vocab_size=256")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_full_traceback_on_request(tmp_path):
+    r = cli(*MOCK, "trainer.device=cuda" if not torch.cuda.is_available() else "checkpoint.load=/nowhere",
+            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path, env={"MEGALM_FULL_ERROR": "1"})
+    assert r.returncode == 1 and "Traceback" in r.stderr
+
+
+# -- files, devices, checkpoints -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """Two real sentencepiece models of the same size, trained on different text."""
+    corpus = stdlib_corpus(1.0)
+    root = tmp_path_factory.mktemp("tok")
+    out = {}
+    for name, (a, b) in {"a": (0, 20), "b": (20, 40)}.items():
+        (root / name).mkdir()
+        (root / name / "tokenizer.model").write_bytes(train_sentencepiece(corpus.subset(a, b).texts(), 500))
+        out[name] = root / name / "tokenizer.model"
+    assert SentencePieceTokenizer(out["a"]).identity != SentencePieceTokenizer(out["b"]).identity
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus_a(tokenizers, tmp_path_factory):
+    """An indexed corpus written by tokenizer a, with the record megalm keeps beside it."""
+    tok = SentencePieceTokenizer(tokenizers["a"])
+    prefix = tmp_path_factory.mktemp("corpus") / "docs"
+    texts = list(stdlib_corpus(1.0).texts())
+    with IndexedDatasetWriter(prefix, np.uint16) as writer:
+        for ids in tok.encode_batch(texts):
+            writer.add_document(ids + [tok.eod])
+    write_provenance(prefix, tok, documents=len(texts))
+    return prefix
+
+
+def indexed(prefix, tokenizer, tmp_path):
+    return ["data=indexed", f"data.paths=[{prefix}]", f"data.tokenizer.model={tokenizer}", "model.vocab_size=512",
+            "data.split='80,20,0'", f"data.cache_dir={tmp_path / 'cache'}"]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus_a, tokenizers, tmp_path_factory):
+    """A 2-step run on corpus a with tokenizer a: the run directory the resume tests try to damage."""
+    base = tmp_path_factory.mktemp("trained")
+    r = cli(*QUICK, *indexed(corpus_a, tokenizers["a"], base), "trainer.max_steps=2",
+            f"hydra.run.dir={base / 'run'}", cwd=base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base / "run"
+
+
+def snapshot(run_dir: Path):
+    return {name: (run_dir / name).read_bytes() for name in ("config.yaml", "tokenizer.model", "metrics.jsonl")}
+
+
+def test_resume_with_another_tokenizer_is_refused_and_changes_nothing(trained, corpus_a, tokenizers, tmp_path):
+    before = snapshot(trained)
+    r = cli(*QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=4",
+            f"hydra.run.dir={trained}", cwd=tmp_path)
+    a, b = (SentencePieceTokenizer(tokenizers[k]).identity for k in "ab")
+    assert_megalm_error(r, "checkpoint", "was trained with tokenizer", a, b, str(tokenizers["b"]))
+    assert snapshot(trained) == before
+
+
+def test_resume_with_another_model_is_refused_and_changes_nothing(trained, corpus_a, tokenizers, tmp_path):
+    before = snapshot(trained)
+    r = cli(*QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=4", "model.hidden_size=64",
+            f"hydra.run.dir={trained}", cwd=tmp_path)
+    assert_megalm_error(r, "checkpoint", "does not fit this model config",
+                        "embed.tok.weight: stored (512, 32), expected (512, 64)", max_lines=40)
+    assert snapshot(trained) == before
+    assert not (tmp_path / "cache").exists()  # refused before any sample index was built
+    g = cli(str(trained), "--prompt", "def ", "--max-new-tokens", "3", cwd=tmp_path, module="megalm.generate")
+    assert g.returncode == 0, g.stderr[-3000:]  # the run directory still generates
+
+
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(trained, corpus_a, tokenizers, tmp_path):
+    before = snapshot(trained)
+    r = cli(*QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=1",
+            f"hydra.run.dir={trained}", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "nothing to train: checkpoint" in r.stdout + r.stderr and "trainer.max_steps=1" in r.stdout + r.stderr
+    assert snapshot(trained) == before
+
+
+def test_corpus_of_another_tokenizer_is_refused(corpus_a, tokenizers, tmp_path):
+    r = cli(*QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=1",
+            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    a, b = (SentencePieceTokenizer(tokenizers[k]).identity for k in "ab")
+    assert_megalm_error(r, "data", f"{corpus_a} was tokenized with {a}", b)
+    assert not (tmp_path / "run" / "config.yaml").exists()
+
+
+@pytest.mark.parametrize("damage,kind,expected", [
+    ("missing_bin", "not found", ["docs.bin does not exist"]),
+    ("truncated_bin", "data", ["docs.bin", "bytes"]),
+    ("bad_magic", "data", ["docs.idx: bad magic"]),
+    ("missing_tokenizer", "not found", ["sentencepiece model", "does not exist"]),
+])
+def test_damaged_data_files_are_named(corpus_a, tokenizers, tmp_path, damage, kind, expected):
+    import shutil
+    prefix = tmp_path / "docs"
+    for ext in (".bin", ".idx", ".megalm.json"):
+        shutil.copy(str(corpus_a) + ext, str(prefix) + ext)
+    tokenizer = tokenizers["a"]
+    if damage == "missing_bin":
+        Path(str(prefix) + ".bin").unlink()
+    elif damage == "truncated_bin":
+        with open(str(prefix) + ".bin", "r+b") as f:
+            f.truncate(100)
+    elif damage == "bad_magic":
+        with open(str(prefix) + ".idx", "r+b") as f:
+            f.write(b"NOTMAGIC")
+    else:
+        tokenizer = tmp_path / "missing.model"
+    r = cli(*QUICK, *indexed(prefix, tokenizer, tmp_path), "trainer.max_steps=1",
+            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_megalm_error(r, kind, *expected)
+
+
+@pytest.fixture(scope="module")
+def mock_run(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mock")
+    r = cli(*MOCK, "trainer.max_steps=2", "checkpoint.interval=1", "checkpoint.keep_last=0",
+            f"hydra.run.dir={base / 'run'}", cwd=base)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return base / "run"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_without_a_gpu(tmp_path):
+    r = cli(*MOCK, "trainer.device=cuda", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_megalm_error(r, "device", "trainer.device=cuda", "no CUDA device")
+
+
+def test_missing_and_damaged_checkpoints(mock_run, tmp_path):
+    r = cli(*MOCK, f"checkpoint.load={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+    assert_megalm_error(r, "not found", f"no checkpoint at {tmp_path / 'nowhere'}")
+    import shutil
+    damaged = tmp_path / "step_00000001"
+    shutil.copytree(mock_run / "checkpoints" / "step_00000001", damaged)
+    with open(damaged / ".metadata", "r+b") as f:
+        f.seek(20)
+        f.write(b"\xff\xff\xff")
+    r = cli(*MOCK, f"checkpoint.load={damaged}", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    assert_megalm_error(r, "checkpoint", f"checkpoint {damaged} failed verification", ".metadata: CRC-32")
+
+
+def test_a_failing_rank_reports_like_a_single_process(tmp_path):
+    r = cli(*MOCK, "parallel=dp2", f"checkpoint.load={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'a'}",
+            cwd=tmp_path)
+    err = r.stderr.strip()
+    assert r.returncode == 1, err[-3000:]
+    assert "Traceback" not in r.stdout + r.stderr, err[-3000:]
+    assert err.splitlines()[-1].startswith(f"megalm: not found: no checkpoint at {tmp_path / 'nowhere'}"), err
+    assert len([line for line in err.splitlines() if line.startswith("megalm:")]) == 1, err
+
+
+# -- runs that go wrong --------------------------------------------------------------------------
+
+def test_diverged_training_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    r = cli(*MOCK, "optimizer.lr=1e3", "trainer.max_steps=40", "checkpoint.interval=2", "checkpoint.keep_last=0",
+            f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert_megalm_error(r, "training stopped", "the gradient norm is", "it diverged", "Lower optimizer.lr")
+    bad_step = int(r.stderr.split("step ", 1)[1].split(":", 1)[0])
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert int(latest.split("_")[1]) < bad_step and latest in r.stderr  # kept, and named
+    saved = sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step_"))
+    assert saved[-1] == latest  # nothing was saved after the divergence
+    assert max(steps_of(run_dir)) < bad_step
+
+
+def test_fp16_that_keeps_overflowing_stops(tmp_path):
+    r = cli(*MOCK, "optimizer.lr=1e3", "trainer.max_steps=200", "trainer.precision=fp16",
+            "trainer.max_consecutive_skips=8", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert_megalm_error(r, "training stopped", "8 fp16 steps in a row overflowed", "trainer.max_consecutive_skips=8")
+
+
+def test_sigterm_to_a_multi_rank_run_saves_and_exits_0(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "megalm.train", *MOCK, "parallel=dp2", "trainer.max_steps=100000",
+                             "trainer.eval_steps=0", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)  # to the launcher only, as `kill PID` or a scheduler does
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Traceback" not in out + err and "every rank saved and stopped" in out + err
+    saved = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert saved >= 3 and max(steps_of(run_dir)) == saved
