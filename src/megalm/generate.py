@@ -3,6 +3,9 @@
 Loads the run's frozen config, its tokenizer and the latest checkpoint's weights, then decodes
 with a KV cache: the prompt is processed once, then one token per step attends to the cached
 keys and values. Sampling: temperature, then top-k, then top-p (nucleus, arXiv:1904.09751).
+
+Mistakes in what the user asked for (an option out of range, a prompt the model cannot take, a
+run directory without a checkpoint) are MegalmErrors: one line on stderr, exit code 1.
 """
 
 from __future__ import annotations
@@ -16,13 +19,37 @@ import torch
 from omegaconf import OmegaConf
 
 from megalm.config import Config
+from megalm.errors import ConfigError, DeviceError, MissingFileError, cli_errors
+
+PROG = "megalm.generate"
 
 
 def load_run_config(run_dir: Path) -> Config:
+    if not run_dir.is_dir():
+        raise MissingFileError(f"{run_dir} does not exist or is not a directory: point at a run directory "
+                               "written by megalm.train (its hydra.run.dir)")
     path = run_dir / "config.yaml"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: point at a run directory written by megalm.train")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    if not path.is_file():
+        raise MissingFileError(f"{path} does not exist: point at a run directory written by megalm.train")
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+    except Exception as e:  # YAML syntax, unknown keys and wrong types come as several omegaconf types
+        raise ConfigError(f"{path} is not a megalm run config: {e}") from None
+
+
+def check_prompt(prompt: List[int], vocab_size: int, seq_length: int, what: str = "the prompt",
+                 counted: str = "") -> int:
+    """The room left after the prompt (>= 1); an error for ids outside the vocabulary or no room.
+    `what` names the prompt in messages, `counted` says what its length includes."""
+    bad = [i for i in prompt if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{what} has token id {bad[0]}, outside the vocabulary of {vocab_size} ids "
+                          f"(0..{vocab_size - 1})")
+    room = seq_length - len(prompt)
+    if room <= 0:
+        raise ConfigError(f"{what} is {len(prompt)} tokens{counted} and model.seq_length={seq_length} leaves "
+                          f"no room to generate: allowed: at most {seq_length - 1} tokens in all")
+    return room
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -54,10 +81,8 @@ def generate_ids(model, prompt: List[int], *, max_new_tokens: int, temperature: 
     device = next(model.parameters()).device
     model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
+    budget = min(max_new_tokens, check_prompt(prompt, vocab_size or cfg.vocab_size, cfg.seq_length))
     ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    budget = min(max_new_tokens, cfg.seq_length - ids.shape[1])
-    if budget <= 0:
-        raise ValueError(f"the prompt has {ids.shape[1]} tokens; model.seq_length={cfg.seq_length} leaves no room")
     cache = KVCache(cfg.num_layers, 1, cfg.kv_heads, cfg.seq_length, cfg.head_dim, device=device,
                     dtype=next(model.parameters()).dtype) if use_cache else None
     logits = model(ids, cache=cache, start=0)[:, -1]
@@ -86,16 +111,41 @@ def load_for_generation(run_dir: Path, device: str = "cpu"):
     model = build_model(cfg.model, device=device)
     step_dir = Checkpointer(cfg.checkpoint, run_dir).latest()
     if step_dir is None:
-        raise FileNotFoundError(f"no complete checkpoint under {run_dir / cfg.checkpoint.dir}")
+        raise MissingFileError(f"no complete checkpoint under {run_dir / cfg.checkpoint.dir}: train this run "
+                               "until it saves one (checkpoint.save=true), or point at a run that has one")
     state = load_model_weights(step_dir, model)
     return cfg, model, load_tokenizer(run_dir), state
+
+
+def _resolve_device(name: str) -> str:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device={name!r} is not a device: allowed: cpu, cuda, cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(f"--device={name} but no CUDA device is visible: use --device cpu")
+    return name
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Each sampling option against its range, the range named in the message."""
+    for name, value, ok, allowed in (
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens >= 1, ">= 1"),
+            ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0 = greedy)"),
+            ("--top-k", args.top_k, args.top_k >= 0, ">= 0 (0 = all tokens)"),
+            ("--top-p", args.top_p, 0 < args.top_p <= 1, "in (0, 1]"),
+            ("--num-samples", args.num_samples, args.num_samples >= 1, ">= 1")):
+        if not ok:  # NaN fails every comparison, so it lands here too
+            shown = f"{value:g}" if isinstance(value, float) else value
+            raise ConfigError(f"{name}={shown} must be {allowed}")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m megalm.generate", description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
     ap.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
-    ap.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default 200)")
+    ap.add_argument("--max-new-tokens", type=int, default=200,
+                    help="tokens to generate, at most model.seq_length minus the prompt (default 200)")
     ap.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
     ap.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens; 0 = all (default 50)")
     ap.add_argument("--top-p", type=float, default=0.95, help="nucleus mass to keep; 1 = all (default 0.95)")
@@ -104,20 +154,22 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     ap.add_argument("--no-cache", action="store_true", help="recompute the whole prefix every step (slow; for checks)")
     args = ap.parse_args(argv)
-    for name, value, ok in (("--max-new-tokens", args.max_new_tokens, args.max_new_tokens > 0),
-                            ("--temperature", args.temperature, args.temperature >= 0),
-                            ("--top-k", args.top_k, args.top_k >= 0),
-                            ("--top-p", args.top_p, 0 < args.top_p <= 1),
-                            ("--num-samples", args.num_samples, args.num_samples > 0)):
-        if not ok:
-            ap.error(f"{name}={value} is out of range")
-    try:
-        cfg, model, tok, state = load_for_generation(args.run_dir, args.device)
-    except (FileNotFoundError, ValueError) as e:
-        raise SystemExit(f"megalm.generate: {e}") from None
-    print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']})", file=sys.stderr)
+    with cli_errors(PROG):
+        _generate(args)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    check_options(args)
+    cfg, model, tok, state = load_for_generation(args.run_dir, _resolve_device(args.device))
     # Training packs documents after an end-of-document token, so eod is the start-of-text marker.
     prompt = [tok.eod] + tok.encode(args.prompt)
+    room = check_prompt(prompt, tok.vocab_size, cfg.model.seq_length,
+                        what="--prompt", counted=" (with the end-of-document token put before it)")
+    print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']})", file=sys.stderr)
+    if args.max_new_tokens > room:  # the KV cache and positions end at the model's context
+        print(f"# generating at most {room} token{'s' if room != 1 else ''}, not {args.max_new_tokens}: prompt "
+              f"{len(prompt)} (the end-of-document token + {len(prompt) - 1} of --prompt) + --max-new-tokens "
+              f"{args.max_new_tokens} > model.seq_length={cfg.model.seq_length}", file=sys.stderr)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"\n# --- sample {i + 1} ---")
