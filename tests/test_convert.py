@@ -6,28 +6,31 @@ drops or mixes up a tensor changes the logits.
 
 Tolerance: fp32 on both sides, the same math in a different order (one fused qkv matmul against
 three, SDPA kernels, RMSNorm/rope written differently), so logits of size ~1 agree to ~1e-6;
-we allow atol 1e-5, rtol 1e-5. A wrong mapping is off by ~1e-1.
+we allow atol 1e-5, rtol 1e-5. A wrong mapping is off by more than 1 (measured on llama_gqa with
+k/v, gate/up or a block's two norm gains swapped: 1.2 to 6 at logits of std 1.1).
 """
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import transformers
 from omegaconf import OmegaConf
+from safetensors.torch import load_file
 
-transformers = pytest.importorskip("transformers")
-from safetensors.torch import load_file  # noqa: E402
-
-from megalm.config import CheckpointConfig, ModelConfig, OptimizerConfig  # noqa: E402
-from megalm.convert import UnsupportedArchitecture, export_arch, export_to_hf, import_from_hf  # noqa: E402
-from megalm.convert import locate_checkpoint, model_config_from_hf  # noqa: E402
-from megalm.convert.__main__ import main  # noqa: E402
-from megalm.convert.hf import read_model_config  # noqa: E402
-from megalm.models import build_model, init_weights  # noqa: E402
-from megalm.training.checkpoint import Checkpointer, load_model_weights  # noqa: E402
-from megalm.training.optim import build_optimizer  # noqa: E402
+from megalm.config import CheckpointConfig, ModelConfig, OptimizerConfig
+from megalm.errors import ConfigError, DataError, MissingFileError
+from megalm.convert import UnsupportedArchitecture, export_arch, export_to_hf, import_from_hf
+from megalm.convert import locate_checkpoint, model_config_from_hf
+from megalm.convert.__main__ import main
+from megalm.convert.hf import read_model_config
+from megalm.models import build_model, init_weights
+from megalm.training.checkpoint import Checkpointer, load_model_weights
+from megalm.training.optim import build_optimizer
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 V, T = 99, 16  # a vocabulary megalm pads (to 104 or 128), and the context length
@@ -181,7 +184,7 @@ def test_locate_run_dir_checkpoint_dir_and_step_folder(tmp_path, tiny_model_cfg)
     lone = tmp_path / "lone" / "a" / "step_00000005"
     lone.parent.mkdir(parents=True)
     step.rename(lone)
-    with pytest.raises(FileNotFoundError, match="--config"):
+    with pytest.raises(MissingFileError, match="--config"):
         locate_checkpoint(lone)
     assert locate_checkpoint(lone, config=tmp_path / "run" / "config.yaml")[1] == tiny_model_cfg
 
@@ -216,24 +219,44 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_h
 def test_import_refuses_what_megalm_cannot_compute(hf, match):
     with pytest.raises(UnsupportedArchitecture, match=match):
         model_config_from_hf(hf, "x")
+    assert issubclass(UnsupportedArchitecture, ConfigError) and issubclass(UnsupportedArchitecture, ValueError)
 
 
 def test_missing_files_are_named(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match=r"config.json does not exist"):
+    with pytest.raises(MissingFileError, match=r"config.json does not exist"):
         import_from_hf(tmp_path, tmp_path / "out")
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_HF))
     (tmp_path / "pytorch_model.bin").write_bytes(b"")
-    with pytest.raises(FileNotFoundError, match=r"no safetensors weights.*pytorch_model.bin are pickle files"):
+    with pytest.raises(MissingFileError, match=r"no safetensors weights.*pytorch_model.bin are pickle files"):
         import_from_hf(tmp_path, tmp_path / "out")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*empty"):
         export_to_hf(tmp_path / "empty", tmp_path / "hf")
-    # The CLI turns these into one line naming the command and the path.
-    with pytest.raises(SystemExit, match=r"megalm.convert export: .*nowhere does not exist"):
+    # The CLI turns these into one line on stderr naming the path, and exit code 1.
+    with pytest.raises(SystemExit) as e:
         main(["export", str(tmp_path / "nowhere"), str(tmp_path / "hf")])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.startswith(f"megalm.convert: not found: {tmp_path / 'nowhere'} does not exist")
     with pytest.raises(SystemExit) as e:
         main(["import", "--help"])
     assert e.value.code == 0 and "safetensors" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("keep", [0.5, 8])  # the data cut short; the header itself cut short
+def test_a_truncated_safetensors_file_is_named_by_the_cli(tmp_path, keep):
+    import subprocess
+    import sys
+    _hf_model("gpt2", tmp_path / "hf")
+    weights = tmp_path / "hf" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[:int(len(data) * keep) if keep < 1 else keep])  # as an interrupted download
+    r = subprocess.run([sys.executable, "-m", "megalm.convert", "import", str(tmp_path / "hf"), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    first = r.stderr.splitlines()[0]
+    assert first.startswith(f"megalm.convert: data: {weights} is not a readable safetensors file: "), first
+    assert "truncated or damaged" in first and "download or save it again" in first
+    assert not (tmp_path / "out" / "latest").exists()  # nothing half-written to start from
 
 
 def test_cli_import_then_export(tmp_path, capsys):
@@ -241,26 +264,47 @@ def test_cli_import_then_export(tmp_path, capsys):
     main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--name", "tiny"])
     printed = capsys.readouterr().out
     assert "model=tiny" in printed and "checkpoint.load=" in printed
-    with pytest.raises(SystemExit, match="not empty"):  # never overwrites without --force
+    with pytest.raises(SystemExit) as e:  # never overwrites without --force
         main(["import", str(tmp_path / "hf"), str(tmp_path / "ckpt")])
+    assert e.value.code == 1
+    assert capsys.readouterr().err.startswith(f"megalm.convert: output exists: {tmp_path / 'ckpt'} is not empty")
     main(["export", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"])
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
+    rounded = copy.deepcopy(hf)
+    with torch.no_grad():
+        for p in rounded.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
     tokens = _tokens()
-    with torch.no_grad():  # bf16 weights: equal up to bf16 rounding of the weights
-        torch.testing.assert_close(again(tokens).logits, hf(tokens).logits, atol=0.1, rtol=0.05)
+    with torch.no_grad():
+        got, want, want_rounded = again(tokens).logits, hf(tokens).logits, rounded(tokens).logits
+    # The bf16 export is each weight rounded to bf16, nothing else: it computes what the original
+    # computes with every weight rounded the same way, to fp32 tolerance (measured 3e-6).
+    torch.testing.assert_close(got, want_rounded, **TOL)
+    # Against the original fp32 logits: bf16 keeps 8 significant bits, so rounding moves each
+    # weight by at most u = 2^-9 relative; through 2 blocks of these random (untrained) weights,
+    # about 20 rounded matrices compound that to ~5 u of the logits' norm (measured 0.96%, max
+    # 0.06 at logits of std 1.1). We allow 8 u = 1.6%. A wrong mapping (k/v or gate/up swapped,
+    # the two norm gains of a block exchanged, q heads permuted) is off by 16% to 140%.
+    assert ((got - want).norm() / want.norm()).item() < 8 * 2.0 ** -9
 
 
-def _train(rank, world, overrides, run_dir, model_yaml):
-    """megalm.train.run on one rank, with the model the import wrote (as --config-dir model=NAME gives)."""
+def _compose(overrides, model_yaml):
+    """The run config, with the model the import wrote (as --config-dir DIR model=NAME gives)."""
     from hydra import compose, initialize_config_dir
 
     from megalm.config import conf_dir, register_configs
-    from megalm.train import run
-    from megalm.validation import validate
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=list(overrides)))
     cfg.model = read_model_config(Path(model_yaml))
+    return cfg
+
+
+def _train(rank, world, overrides, run_dir, model_yaml):
+    """megalm.train.run on one rank."""
+    from megalm.train import run
+    from megalm.validation import validate
+    cfg = _compose(overrides, model_yaml)
     validate(cfg, world)
     return run(cfg, Path(run_dir), world)
 
@@ -271,10 +315,14 @@ def _val_losses(run_dir: Path):
 
 
 def test_train_from_import_at_tp2_then_export_that_checkpoint(tmp_path):
-    """checkpoint.load of an import works at tp2 (the same start loss as one process), and a
-    checkpoint written by the 2-rank run exports to the model that megalm loads from it."""
+    """checkpoint.load of an import at tp2 starts from the Hugging Face model itself (its loss on
+    the run's validation tokens), trains as one process does, and the checkpoint written by the
+    2-rank run exports to the model that megalm loads from it."""
+    import torch.nn.functional as F
+
     from distributed import run_ranks
-    _hf_model("llama_gqa", tmp_path / "hf")
+    from megalm.data import build_data
+    hf = _hf_model("llama_gqa", tmp_path / "hf")
     ckpt, _ = import_from_hf(tmp_path / "hf", tmp_path / "ckpt", name="tiny")
     overrides = ["data=mock", "trainer.max_steps=1", "trainer.micro_batch_size=2", "trainer.global_batch_size=2",
                  "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.progress_bar=false",
@@ -285,6 +333,15 @@ def test_train_from_import_at_tp2_then_export_that_checkpoint(tmp_path):
     run_ranks(2, _train, [*overrides, "parallel=tp2"], str(tmp_path / "tp2"), yaml)
     single, tp2 = _val_losses(tmp_path / "single"), _val_losses(tmp_path / "tp2")
     assert tp2 == pytest.approx(single, rel=1e-5) and len(tp2) == 2  # before and after the step
+    # The loss before the step is the original HF model's on the same validation micro-batch:
+    # the import was loaded (a fresh init would give about log V = 4.6, this model ~5.5).
+    cfg = _compose(overrides, yaml)
+    valid = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=cfg.trainer.seed).valid
+    batch = torch.from_numpy(np.stack([valid[i] for i in range(2)]))
+    with torch.no_grad():
+        logits = hf(batch[:, :-1]).logits
+    hf_loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+    assert tp2[0] == pytest.approx(hf_loss, rel=1e-5) and single[0] == pytest.approx(hf_loss, rel=1e-5)
 
     out = export_to_hf(tmp_path / "tp2", tmp_path / "hf_after")
     step, cfg, _ = locate_checkpoint(tmp_path / "tp2")
@@ -315,11 +372,11 @@ def test_import_refuses_weights_that_do_not_fit_the_config(tmp_path):
     _hf_model("gpt2", tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=1)))
-    with pytest.raises(ValueError, match=r"tensors have no megalm counterpart.*transformer\.h\.1\."):
+    with pytest.raises(DataError, match=r"tensors have no megalm counterpart.*transformer\.h\.1\."):
         import_from_hf(tmp_path, tmp_path / "a")
     (tmp_path / "config.json").write_text(json.dumps(dict(config, vocab_size=V + 1)))
-    with pytest.raises(ValueError, match=r"transformer.wte.weight gives shape \(99, 32\).*implies \(100, 32\)"):
+    with pytest.raises(DataError, match=r"transformer.wte.weight gives shape \(99, 32\).*implies \(100, 32\)"):
         import_from_hf(tmp_path, tmp_path / "b")
     (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
-    with pytest.raises(ValueError, match=r"lack transformer.h.2.ln_1.weight"):
+    with pytest.raises(DataError, match=r"lack transformer.h.2.ln_1.weight"):
         import_from_hf(tmp_path, tmp_path / "c")

@@ -9,6 +9,9 @@ from pathlib import Path
 from typing import List, Optional
 
 from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, import_from_hf
+from megalm.errors import cli_errors
+
+PROG = "megalm.convert"
 
 EPILOG = """examples:
   python -m megalm.convert export outputs/2025-01-01/12-00-00 hf/my-model
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
+    with cli_errors(PROG):  # a user mistake: one line on stderr and exit code 1
         if args.command == "export":
             out = export_to_hf(args.src, args.out, config=args.config, dtype=args.dtype, force=args.force,
                                copy_tokenizer=not args.no_tokenizer)
@@ -70,8 +73,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                   + (f" optimizer={args.optimizer}" if args.optimizer != "adamw" else ""))
             if (out / "tokenizer.json").is_file():
                 print(f"  (its tokenizer: data.tokenizer.type=huggingface data.tokenizer.model={out / 'tokenizer.json'})")
-    except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
-        raise SystemExit(f"megalm.convert {args.command}: {e}") from None
 
 
 if __name__ == "__main__":

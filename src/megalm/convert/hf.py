@@ -49,6 +49,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import ModelConfig
+from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError
 
 log = logging.getLogger("megalm.convert")
 
@@ -65,13 +66,25 @@ def _safetensors():
     try:
         import safetensors.torch
     except ImportError:
-        raise ImportError("megalm.convert reads and writes Hugging Face weights with the `safetensors` "
-                          "package: pip install safetensors") from None
+        raise MissingPackage("megalm.convert reads and writes Hugging Face weights with the `safetensors` "
+                             "package: pip install safetensors") from None
     return safetensors
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(ConfigError):
     """A megalm config or HF config.json that the other side cannot represent exactly."""
+
+
+class OutputExistsError(MegalmError, FileExistsError):
+    """The folder to write already holds files (or is a file), and --force was not given."""
+
+    kind = "output exists"
+
+
+class MissingPackage(MegalmError, ImportError):
+    """An optional package that this conversion needs is not installed."""
+
+    kind = "missing package"
 
 
 # -- transforms: megalm tensor <-> HF tensors ----------------------------------------------------
@@ -229,7 +242,7 @@ def _get(hf: Dict[str, Any], key: str, default: Any = ..., *, source: str = "con
     if key in hf and hf[key] is not None:
         return hf[key]
     if default is ...:
-        raise ValueError(f"{source} has no {key!r}, which a {hf.get('model_type')} config needs")
+        raise DataError(f"{source} has no {key!r}, which a {hf.get('model_type')} config needs")
     return default
 
 
@@ -264,8 +277,8 @@ def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int
             tie_embeddings=bool(_get(hf, "tie_word_embeddings", True)), dropout=float(_get(hf, "resid_pdrop", 0.0)),
             attention_dropout=float(_get(hf, "attn_pdrop", 0.0)), init_std=float(_get(hf, "initializer_range", 0.02)))
         if seq_length is not None and seq_length != cfg.seq_length:
-            raise ValueError(f"--seq-length={seq_length}: GPT-2 has learned positions, so seq_length is "
-                             f"n_positions={cfg.seq_length} from config.json; allowed: {cfg.seq_length}")
+            raise ConfigError(f"--seq-length={seq_length}: GPT-2 has learned positions, so seq_length is "
+                              f"n_positions={cfg.seq_length} from config.json; allowed: {cfg.seq_length}")
     else:
         _check(hf, "hidden_act", "silu", ("silu",), " (megalm's swiglu gates with silu)")
         # transformers 5 keeps rope settings in rope_parameters, 4.x in rope_theta + rope_scaling.
@@ -303,13 +316,14 @@ def read_model_config(path: Path) -> ModelConfig:
     try:
         raw = OmegaConf.load(path)
     except Exception as e:  # yaml errors come in several types
-        raise ValueError(f"{path} is not a YAML config: {e}") from None
+        raise ConfigError(f"{path} is not a YAML config: {e}") from None
     section = raw.get("model") if isinstance(raw, DictConfig) and isinstance(raw.get("model"), DictConfig) else raw
     try:
         merged = OmegaConf.merge(OmegaConf.structured(ModelConfig), section)
         return OmegaConf.to_object(merged)
     except Exception as e:  # unknown keys, wrong types, missing values
-        raise ValueError(f"{path}: not a megalm model config (a run's config.yaml or a conf/model yaml): {e}") from None
+        raise ConfigError(f"{path}: not a megalm model config (a run's config.yaml or a conf/model yaml): "
+                          f"{e}") from None
 
 
 def model_yaml(cfg: ModelConfig, header: str) -> str:
@@ -325,7 +339,7 @@ def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, 
     path = Path(path).expanduser()
     what = "a megalm run directory (config.yaml + checkpoints/), a checkpoint dir (with `latest`) or a step folder"
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist: expected {what}")
+        raise MissingFileError(f"{path} does not exist: expected {what}")
     is_ckpt = (path / ".metadata").exists() or (path / "latest").exists()
     if (path / "config.yaml").is_file() and not is_ckpt:  # a run directory
         raw = OmegaConf.load(path / "config.yaml")
@@ -334,23 +348,23 @@ def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, 
         try:
             step_dir = resolve(ckpt)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"run directory {path} has no complete checkpoint: {e}") from None
+            raise MissingFileError(f"run directory {path} has no complete checkpoint: {e}") from None
         config_file: Optional[Path] = path / "config.yaml"
     else:
         try:
             step_dir = resolve(path)
         except FileNotFoundError as e:
-            raise FileNotFoundError(f"{e}; expected {what}") from None
+            raise MissingFileError(f"{e}; expected {what}") from None
         # The run directory's first (its tokenizer lies next to it), then the step folder's own copy.
         looked = [step_dir.parent / "config.yaml", step_dir.parent.parent / "config.yaml", step_dir / "config.yaml"]
         config_file = next((c for c in looked if c.is_file()), None)
         if config_file is None and config is None:
-            raise FileNotFoundError(f"no config.yaml for checkpoint {step_dir} (looked for "
-                                    f"{', '.join(map(str, looked))}): pass --config with the run's config.yaml or a model yaml")
+            raise MissingFileError(f"no config.yaml for checkpoint {step_dir} (looked for "
+                                   f"{', '.join(map(str, looked))}): pass --config with the run's config.yaml or a model yaml")
     if config is not None:
         config = Path(config).expanduser()
         if not config.is_file():
-            raise FileNotFoundError(f"--config {config} does not exist: expected a run's config.yaml or a model yaml")
+            raise MissingFileError(f"--config {config} does not exist: expected a run's config.yaml or a model yaml")
         return step_dir, read_model_config(config), config_file.parent if config_file else None
     return step_dir, read_model_config(config_file), config_file.parent
 
@@ -383,10 +397,10 @@ def _copy_tokenizer(tok, run_dir: Path, out: Path) -> Optional[str]:
 
 def _check_out_dir(out: Path, force: bool, marker: Iterable[str]) -> None:
     if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} exists and is not a directory")
+        raise OutputExistsError(f"{out} exists and is not a directory: name a folder to write")
     if not force and out.is_dir() and any(out.iterdir()):
         present = [m for m in marker if (out / m).exists()] or sorted(p.name for p in out.iterdir())[:3]
-        raise FileExistsError(f"{out} is not empty (it has {', '.join(present)}): pass --force to write into it")
+        raise OutputExistsError(f"{out} is not empty (it has {', '.join(present)}): pass --force to write into it")
 
 
 @torch.no_grad()
@@ -397,7 +411,7 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
     from megalm.models import build_model
     from megalm.training.checkpoint import STATE_FILE, load_model_weights
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {', '.join(DTYPES)}")
+        raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     step_dir, cfg, run_dir = locate_checkpoint(src, config)
     arch = export_arch(cfg)
     out = Path(out_dir).expanduser()
@@ -439,13 +453,16 @@ class SafetensorsFolder:
         safe_open = _safetensors().safe_open
         index = folder / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map")
+            try:
+                weight_map = json.loads(index.read_text()).get("weight_map")
+            except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+                raise DataError(f"{index} is not a JSON object: {e}") from None
             if not isinstance(weight_map, dict):
-                raise ValueError(f"{index} has no weight_map object")
+                raise DataError(f"{index} has no weight_map object")
             files = sorted(set(weight_map.values()))
             for f in files:
                 if not (folder / f).is_file():
-                    raise FileNotFoundError(f"{folder / f} is listed in {index.name} but does not exist")
+                    raise MissingFileError(f"{folder / f} is listed in {index.name} but does not exist")
         elif (folder / "model.safetensors").is_file():
             files = ["model.safetensors"]
         else:
@@ -454,19 +471,38 @@ class SafetensorsFolder:
             pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt"))
             hint = (f" ({', '.join(pickles)} are pickle files, which megalm does not read: re-save the model with "
                     "save_pretrained(..., safe_serialization=True))" if pickles else "")
-            raise FileNotFoundError(f"no safetensors weights in {folder}: expected model.safetensors, "
-                                    f"model.safetensors.index.json + shards, or *.safetensors{hint}")
-        self.handles = {f: safe_open(str(folder / f), framework="pt") for f in files}
+            raise MissingFileError(f"no safetensors weights in {folder}: expected model.safetensors, "
+                                   f"model.safetensors.index.json + shards, or *.safetensors{hint}")
+        self.folder = folder
+        self.handles = {f: self._open(safe_open, folder / f) for f in files}
         self.where: Dict[str, str] = {}
         for f, h in self.handles.items():
             for key in h.keys():
                 self.where[key] = f
 
+    @staticmethod
+    def _open(safe_open, path: Path):
+        try:
+            return safe_open(str(path), framework="pt")
+        except Exception as e:  # safetensors' own SafetensorError, or an OSError reading it
+            raise _unreadable(path, e) from None
+
     def keys(self) -> List[str]:
         return list(self.where)
 
     def get(self, name: str) -> Tensor:
-        return self.handles[self.where[name]].get_tensor(name)
+        path = self.folder / self.where[name]
+        try:
+            return self.handles[self.where[name]].get_tensor(name)
+        except Exception as e:  # the header was whole but the data behind it is not
+            raise _unreadable(path, e, name) from None
+
+
+def _unreadable(path: Path, error: Exception, tensor: Optional[str] = None) -> DataError:
+    size = path.stat().st_size if path.exists() else 0
+    what = f" (reading {tensor})" if tensor else ""
+    return DataError(f"{path} is not a readable safetensors file{what}: {error} ({size} bytes); it is probably "
+                     "truncated or damaged (an interrupted download or save): download or save it again")
 
 
 def _fresh_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -496,7 +532,7 @@ def _optimizer_config(preset: str):
     path = Path(conf_dir()) / "optimizer" / f"{preset}.yaml"
     if not path.is_file():
         have = sorted(p.stem for p in path.parent.glob("*.yaml"))
-        raise ValueError(f"--optimizer {preset!r}: no {path.name} in conf/optimizer: allowed: {', '.join(have)}")
+        raise ConfigError(f"--optimizer {preset!r}: no {path.name} in conf/optimizer: allowed: {', '.join(have)}")
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OptimizerConfig), OmegaConf.load(path)))
 
 
@@ -514,18 +550,18 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     from megalm.training.optim import build_optimizer
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
-        raise FileNotFoundError(f"{hf_dir} is not a directory: expected a Hugging Face model folder "
-                                "(config.json + *.safetensors)")
+        raise MissingFileError(f"{hf_dir} is not a directory: expected a Hugging Face model folder "
+                               "(config.json + *.safetensors)")
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} does not exist: expected a Hugging Face model folder "
-                                "(config.json + *.safetensors)")
+        raise MissingFileError(f"{config_path} does not exist: expected a Hugging Face model folder "
+                               "(config.json + *.safetensors)")
     try:
         hf = json.loads(config_path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{config_path} is not JSON: {e}") from None
+        raise DataError(f"{config_path} is not JSON: {e}") from None
     if seq_length is not None and seq_length < 1:
-        raise ValueError(f"--seq-length={seq_length} must be at least 1")
+        raise ConfigError(f"--seq-length={seq_length} must be at least 1")
     name = _safe_name(name or f"hf_{hf_dir.resolve().name}")
     arch, cfg = model_config_from_hf(hf, name, seq_length)
     opt_cfg = _optimizer_config(optimizer)
@@ -542,28 +578,28 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
             raise RuntimeError(f"no {arch} rule for megalm parameter {pname}")  # a bug in the tables
         missing = [n for n in rule.hf if n not in weights.where]
         if missing:
-            raise ValueError(f"{hf_dir}: the weights lack {', '.join(missing)}, which {ARCHS[arch]} with this "
-                             f"config.json needs (for megalm's {pname})")
+            raise DataError(f"{hf_dir}: the weights lack {', '.join(missing)}, which {ARCHS[arch]} with this "
+                            f"config.json needs (for megalm's {pname})")
         t = rule.transform.join([weights.get(n).float() for n in rule.hf], cfg)
         used.update(rule.hf)
         want = tuple(p.shape)
         if pname in ("embed.tok.weight", "head.weight"):  # real rows; the model's padding rows stay 0
             want = (cfg.vocab_size,) + want[1:]
         if tuple(t.shape) != want:
-            raise ValueError(f"{hf_dir}: {' + '.join(rule.hf)} gives shape {tuple(t.shape)} for megalm's {pname}; "
-                             f"config.json implies {want}")
+            raise DataError(f"{hf_dir}: {' + '.join(rule.hf)} gives shape {tuple(t.shape)} for megalm's {pname}; "
+                            f"config.json implies {want}")
         p.zero_()
         p[:t.shape[0]].copy_(t)
     leftover = [k for k in weights.keys() if k not in used and not IGNORED_HF.search(k)]
     if cfg.tie_embeddings and "lm_head.weight" in leftover:  # some tied checkpoints store the copy too
         embed = model.embed.tok.weight[:cfg.vocab_size]
         if not torch.equal(weights.get("lm_head.weight").float(), embed):
-            raise ValueError(f"{hf_dir}: config.json says tie_word_embeddings=true but lm_head.weight differs "
-                             "from the input embedding")
+            raise DataError(f"{hf_dir}: config.json says tie_word_embeddings=true but lm_head.weight differs "
+                            "from the input embedding")
         leftover.remove("lm_head.weight")
     if leftover:
-        raise ValueError(f"{hf_dir}: {len(leftover)} tensors have no megalm counterpart under this config.json "
-                         f"({', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''})")
+        raise DataError(f"{hf_dir}: {len(leftover)} tensors have no megalm counterpart under this config.json "
+                        f"({', '.join(leftover[:5])}{', ...' if len(leftover) > 5 else ''})")
 
     optim = build_optimizer(opt_cfg, model)
     _fresh_optimizer_state(optim)
