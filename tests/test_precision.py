@@ -1,10 +1,15 @@
-"""fp16 dynamic loss scaling: Megatron's rules, and an overflow on one rank skips the step on all."""
+"""Mixed precision: fp16 and bf16 training move the weights as fp32 does, to within the dtype's
+rounding; fp16 dynamic loss scaling follows Megatron's rules, and an overflow on one rank skips
+the step on all, leaving weights and optimizer state untouched."""
 
 import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from megalm.models import build_model, init_weights
+from megalm.training.checkpoint import load_model_weights
 from megalm.training.precision import DynamicLossScaler
 
 from distributed import run_ranks
@@ -36,43 +41,103 @@ def test_scaler_follows_megatron_rules():
     assert static.scale == 128.0
 
 
+def _snapshot(trainer):
+    """Copies of every weight and every optimizer state tensor (moments, step counts), by name."""
+    weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    state = {f"{i}.{k}": v.detach().clone() for i, s in trainer.optimizer.state_dict()["state"].items()
+             for k, v in s.items() if torch.is_tensor(v)}
+    return weights, state
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def _fp16_with_inf_on_rank_1(rank, world, overrides, run_dir):
-    import torch
     from megalm.parallel.data import DataParallel
     from megalm.train import run
-    original = DataParallel.finish
-    calls = []
+    from megalm.training.trainer import Trainer
+    original_finish, original_step = DataParallel.finish, Trainer.train_step
+    calls, unchanged = [], []
 
     def finish_then_poison(self):
-        original(self)
+        original_finish(self)
         calls.append(1)
         if rank == 1 and len(calls) == 3:  # the third step's gradients overflow on rank 1 only
             self.grad_params[0].grad.view(-1)[0] = float("inf")
 
-    DataParallel.finish = finish_then_poison
+    def step_and_compare(self):
+        weights, state = _snapshot(self)
+        out = original_step(self)
+        weights_after, state_after = _snapshot(self)
+        unchanged.append((_same(weights, weights_after), _same(state, state_after)))
+        return out
+
+    DataParallel.finish, Trainer.train_step = finish_then_poison, step_and_compare
     cfg = load(*overrides)
-    return run(cfg, Path(run_dir), world)
+    run(cfg, Path(run_dir), world)
+    return unchanged  # per step: (weights bitwise unchanged, optimizer state bitwise unchanged)
 
 
 def test_injected_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(tmp_path):
     overrides = [*BASE, *GPT2, "parallel=dp2", "trainer.precision=fp16", "trainer.initial_loss_scale=1024",
                  "trainer.hysteresis=1", "trainer.max_steps=5", "trainer.loss_scale_window=1000"]
-    run_ranks(2, _fp16_with_inf_on_rank_1, overrides, str(tmp_path))
+    per_rank = run_ranks(2, _fp16_with_inf_on_rank_1, overrides, str(tmp_path))
     steps = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
     assert [r["skipped"] for r in steps] == [0, 0, 1, 0, 0]  # rank 0 (which logs) skipped rank 1's overflow
     assert [r["loss_scale"] for r in steps] == [1024, 1024, 1024, 512, 512]
     assert all(r["loss"] == r["loss"] and r["loss"] < 10 for r in steps)  # training went on, finite
+    # On both ranks the skipped step changed no bit of the weights or the optimizer state (AdamW's
+    # step count, moments), and every other step changed both.
+    skipped, stepped = (True, True), (False, False)
+    for rank, unchanged in enumerate(per_rank):
+        assert unchanged == [stepped, stepped, skipped, stepped, stepped], rank
 
 
-def test_fp16_trains_close_to_fp32(tmp_path):
+# Mixed precision against fp32 on the final weights, single process. Plain SGD (momentum 0.9,
+# no clipping) so the update is linear in the gradients: the weights then differ from fp32's by
+# about the relative error of the gradients, which autocast's rounding of each matmul input to
+# the dtype sets at about its unit roundoff u (half an ulp at 1: 2^-11 for fp16's 11 significant
+# bits, 2^-8 for bf16's 8). Measured: ||w - w_fp32|| / ||w_fp32 - w_init|| = 0.94 u (fp16) and
+# 0.87 u (bf16). We allow 4 u. Adam is avoided here: it divides each gradient by its own size,
+# so near-zero gradients whose sign rounding flips move by the full lr in either precision.
+# lr 2 makes the update large (a third of the initial weights' norm); a skipped update would
+# give a ratio near 1, autocast not running (or running another dtype) one far below u / 4.
+UNIT_ROUNDOFF = {"fp16": 2.0 ** -11, "bf16": 2.0 ** -8}
+SGD = ["optimizer=sgd", "optimizer.lr=2.0", "optimizer.warmup_steps=1", "trainer.grad_clip=0", "checkpoint.save=true",
+       "trainer.initial_loss_scale=4096"]  # fp16: 2^32 would overflow the first steps, skipping them
+
+
+def _flat_weights(run_dir, cfg):
+    """All weights, flattened: from the run's last checkpoint, or the initial ones without run_dir."""
+    model = build_model(cfg.model)
+    init_weights(model, cfg.model, cfg.trainer.seed)
+    if run_dir is not None:
+        load_model_weights(run_dir / "checkpoints", model)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+@pytest.fixture(scope="module")
+def fp32_run(tmp_path_factory):
     from megalm.train import run
-    curves = {}
-    for precision in ("fp32", "fp16"):
-        run(load(*BASE, *GPT2, f"trainer.precision={precision}", "trainer.initial_loss_scale=4096"),
-            tmp_path / precision)
-        curves[precision] = [json.loads(l)["loss"] for l in (tmp_path / precision / "metrics.jsonl").read_text()
-                             .splitlines() if '"loss"' in l]
-    # fp16 keeps 11 significant bits (~5e-4 relative per op); over 4 steps of a tiny model the
-    # loss stays within a percent of fp32.
-    assert curves["fp16"] == pytest.approx(curves["fp32"], rel=1e-2)
-    assert curves["fp16"] != curves["fp32"]
+    run_dir = tmp_path_factory.mktemp("fp32")
+    cfg = load(*BASE, *GPT2, *SGD, "trainer.precision=fp32")
+    run(cfg, run_dir)
+    return _flat_weights(None, cfg), _flat_weights(run_dir, cfg)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mixed_precision_updates_the_weights_as_fp32_does(tmp_path, fp32_run, precision):
+    from megalm.train import run
+    w_init, w_fp32 = fp32_run
+    cfg = load(*BASE, *GPT2, *SGD, f"trainer.precision={precision}")
+    run(cfg, tmp_path)
+    w = _flat_weights(tmp_path, cfg)
+    update = (w_fp32 - w_init).norm()
+    assert update > 0.25 * w_init.norm()  # a large move, not a nudge
+    ratio = ((w - w_fp32).norm() / update).item()
+    u = UNIT_ROUNDOFF[precision]
+    assert u / 4 < ratio < 4 * u, f"{precision}: |w - w_fp32| / |update| = {ratio:.3g} (unit roundoff {u:.3g})"
+    if precision == "fp16":
+        steps = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
+        assert [r["skipped"] for r in steps] == [0] * len(steps)  # every step was a real update
