@@ -4,14 +4,17 @@
 
 Each rank joins one process group (gloo, over a FileStore in a temp dir), runs fn, and sends
 back its return value (CPU tensors and plain Python values). A rank that raises fails the
-test with its traceback.
+test with its traceback; one that dies without reporting (a crash, a kill) fails it as soon as
+its process is gone, with its exit code.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, List
 
@@ -39,7 +42,12 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
 
 
 def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0) -> List[Any]:
-    """fn must be a module-level function (it is pickled into spawned processes)."""
+    """fn must be a module-level function (it is pickled into spawned processes).
+
+    The queue is read in short slices, and between them every rank's process is checked: one
+    that exited without reporting (a segfault, an OOM kill, os._exit) fails the call at once,
+    naming the rank and its exit code, instead of when `timeout` (for the whole call) runs out.
+    """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -49,26 +57,49 @@ def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0)
         for p in procs:
             p.start()
         results: List[Any] = [None] * world_size
-        errors = []
-        import queue as queue_mod
-        for _ in range(world_size):
-            try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except queue_mod.Empty:
-                codes = [p.exitcode for p in procs]
-                errors.append(f"no answer from every rank within {timeout} s (exit codes {codes})")
-                break
-            if status == "error":
-                errors.append(f"rank {rank}:\n{payload}")
-                break  # the other ranks may now hang in a collective; stop them below
-            results[rank] = pickle.loads(payload)
+        errors = _collect(procs, queue, results, timeout)
         for p in procs:
-            p.join(timeout=5 if errors else timeout)
+            p.join(timeout=1 if errors else timeout)  # after an error the rest usually hang in a collective
             if p.is_alive():
                 p.kill()
+                p.join(timeout=5)
         if errors:
             raise AssertionError("\n".join(errors))
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
         if bad:
             raise AssertionError(f"ranks exited abnormally: {bad}")
     return results
+
+
+def _exit_reason(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _collect(procs, queue, results: List[Any], timeout: float, poll: float = 0.2) -> List[str]:
+    """Fill results from the queue; return error messages (empty when every rank reported ok)."""
+    reported = set()
+    deadline = time.monotonic() + timeout
+    while len(reported) < len(procs):
+        try:
+            rank, status, payload = queue.get(timeout=poll)
+        except queue_module.Empty:
+            # A rank whose process is gone and has not reported never will. A rank puts its
+            # answer before it exits, and the feeder thread flushes it first, so look once more.
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:
+                try:
+                    rank, status, payload = queue.get(timeout=poll)
+                except queue_module.Empty:
+                    return [f"rank {r} exited without reporting a result ({_exit_reason(code)})"
+                            for r, code in dead]
+            elif time.monotonic() > deadline:
+                codes = [p.exitcode for p in procs]
+                return [f"no answer from every rank within {timeout} s (exit codes {codes}; "
+                        f"ranks that reported: {sorted(reported)})"]
+            else:
+                continue
+        reported.add(rank)
+        if status == "error":
+            return [f"rank {rank}:\n{payload}"]  # the others may now hang in a collective; stopped by the caller
+        results[rank] = pickle.loads(payload)
+    return []

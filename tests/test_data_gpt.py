@@ -6,7 +6,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -120,15 +119,14 @@ def test_samples_are_sequence_plus_one_and_cross_documents(tmp_path):
     assert len(gpt) == 3  # 10 tokens: samples start at 0, 3, 6; the tail is dropped
 
 
-def test_billion_token_corpus_indexes_in_seconds():
-    # 10 million documents of random lengths (mean 100): no .bin, only the lengths.
+def test_large_corpus_indices_span_two_epochs_with_whole_samples():
+    # A million documents of random lengths (mean 100): no .bin, only the lengths. How fast this
+    # builds (at a billion tokens) is measured by `python -m megalm.data.benchmark index`.
     rng = np.random.default_rng(0)
-    sizes = rng.geometric(1 / 100, size=10_000_000).astype(np.int32)
-    assert 0.99e9 < sizes.sum(dtype=np.int64) < 1.01e9
-    start = time.perf_counter()
+    sizes = rng.geometric(1 / 100, size=1_000_000).astype(np.int32)
+    assert 0.99e8 < sizes.sum(dtype=np.int64) < 1.01e8
     out = build_gpt_indices(sizes, range(0, sizes.size), seq_length=2048, seed=1234,
                             num_samples=int(1.5 * sizes.sum(dtype=np.int64) / 2048))
-    seconds = time.perf_counter() - start
     epochs, separate, per_epoch, _ = out["info"].tolist()
     assert (epochs, separate) == (2, 1)  # half of the second epoch is used: shuffled apart
     assert out["document_index"].shape == (2 * sizes.size,) and out["document_index"].dtype == np.int32
@@ -140,7 +138,6 @@ def test_billion_token_corpus_indexes_in_seconds():
         a = starts[si[k, 0]] + si[k, 1]
         b = starts[si[k + 1, 0]] + si[k + 1, 1]
         assert b - a == 2048
-    assert seconds < 60, seconds  # a few seconds on 2 cores; minutes would mean a Python loop
 
 
 # ---------------------------------------------------------------- cache
@@ -247,12 +244,12 @@ def test_blend_shares_stay_within_one_sample_at_every_prefix(weights):
         assert np.array_equal(sample_index[dataset_index == i], np.arange(np.sum(dataset_index == i)))
 
 
-def test_blend_of_ten_million_builds_in_seconds():
-    start = time.perf_counter()
-    dataset_index, _ = blending_indices([0.3, 0.7], 10_000_000)
-    seconds = time.perf_counter() - start
+def test_blend_of_a_million_keeps_the_shares_and_matches_the_reference():
+    # Its speed at ten million is measured by `python -m megalm.data.benchmark blend`.
+    dataset_index, sample_index = blending_indices([0.3, 0.7], 1_000_000)
     assert _max_lag([0.3, 0.7], dataset_index) < 1.0
-    assert seconds < 30, seconds
+    ref_dataset, ref_sample = blending_indices_reference([0.3, 0.7], 20_000)
+    assert np.array_equal(dataset_index[:20_000], ref_dataset) and np.array_equal(sample_index[:20_000], ref_sample)
 
 
 def test_per_dataset_sizes_have_megatrons_margin():
