@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -273,3 +274,31 @@ def test_sigterm_to_a_multi_rank_run_saves_and_exits_0(tmp_path):
     assert "Traceback" not in out + err and "every rank saved and stopped" in out + err
     saved = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
     assert saved >= 3 and max(steps_of(run_dir)) == saved
+
+
+def test_a_save_that_cannot_write_names_the_folder_and_keeps_the_previous_checkpoint(tmp_path):
+    # A file-size limit makes the second save's writes fail as a full disk does (EFBIG, not ENOSPC:
+    # the same failed write(), and no root needed to provoke it).
+    hook = textwrap.dedent("""
+        import resource, signal, sys
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write instead of killing the process
+        from megalm.training.checkpoint import Checkpointer
+        save = Checkpointer.save
+        def limited(self, step, *args, **kwargs):
+            if step == 4:
+                resource.setrlimit(resource.RLIMIT_FSIZE, (50_000, resource.RLIM_INFINITY))
+            return save(self, step, *args, **kwargs)
+        Checkpointer.save = limited
+        from megalm.train import main
+        sys.argv = ["megalm.train", *sys.argv[1:]]
+        main()
+    """)
+    run_dir = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-c", hook, *MOCK, "trainer.max_steps=6", "checkpoint.interval=2",
+                        "trainer.eval_steps=0", f"hydra.run.dir={run_dir}"], cwd=tmp_path, capture_output=True,
+                       text=True, timeout=300)
+    ckpt = run_dir / "checkpoints"
+    assert_megalm_error(r, "checkpoint", f"could not write the checkpoint into {ckpt / '.step_00000004.tmp'}",
+                        "File too large", f"the previous checkpoint ({ckpt / 'step_00000002'}) is kept")
+    assert (ckpt / "latest").read_text().strip() == "step_00000002"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_00000002"]  # the partial folder is gone

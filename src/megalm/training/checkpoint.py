@@ -230,9 +230,9 @@ class Checkpointer:
             raise error
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
-        where = cause.filename or tmp
+        where = cause.filename or tmp  # a failed write() carries no file name: the folder it was writing into
         raise CheckpointError(
-            f"could not write checkpoint file {where}: {cause.strerror or cause} (errno {cause.errno}). "
+            f"could not write the checkpoint into {where}: {cause.strerror or cause} (errno {cause.errno}). "
             f"Free space under {self.dir} or point checkpoint.dir elsewhere; the previous checkpoint "
             f"({self.latest_published() or 'none'}) is kept") from None
 
