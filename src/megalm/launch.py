@@ -206,7 +206,7 @@ def init_distributed(cfg: Config, device_type: str) -> None:
     env = os.environ
     if "MASTER_ADDR" not in env and "SLURM_JOB_NODELIST" in env:
         raise ConfigError("under srun set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
-                         "$SLURM_JOB_NODELIST and a free port) before starting megalm")
+                          "$SLURM_JOB_NODELIST and a free port) before starting megalm")
     if "RANK" not in env:  # srun: translate SLURM's variables to the ones torch reads
         env["RANK"], env["WORLD_SIZE"] = env["SLURM_PROCID"], env["SLURM_NTASKS"]
         env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")

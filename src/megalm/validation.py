@@ -115,7 +115,7 @@ def validate(cfg: Config, world_size: int) -> None:
     c = cfg.cluster
     if (c.backend == "nccl" or c.launcher != "local") and p.tp > c.devices_per_node:
         raise ConfigError(f"parallel.tp={p.tp} is larger than cluster.devices_per_node={c.devices_per_node} "
-                         f"(cluster={c.name}): a tensor-parallel group must stay inside one node")
+                          f"(cluster={c.name}): a tensor-parallel group must stay inside one node")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
     per_step = t.micro_batch_size * dims.dp
@@ -128,7 +128,7 @@ def validate(cfg: Config, world_size: int) -> None:
     # Not built yet: refuse clearly rather than silently run something else.
     if t.precision == "fp8":
         raise ConfigError("trainer.precision=fp8 runs through Transformer Engine (model.transformer_impl=te), "
-                         "which is not wired in yet; use fp32, bf16 or fp16")
+                          "which is not wired in yet; use fp32, bf16 or fp16")
     for key, value in (("trainer.initial_loss_scale", t.initial_loss_scale), ("trainer.min_loss_scale", t.min_loss_scale),
                        ("trainer.loss_scale_window", t.loss_scale_window), ("trainer.hysteresis", t.hysteresis),
                        ("trainer.loss_scale", t.loss_scale if t.loss_scale is not None else 1.0)):
@@ -138,24 +138,24 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
     if cfg.checkpoint.async_save and not cfg.checkpoint.save:
         raise ConfigError("checkpoint.async_save=true writes checkpoints in the background, but checkpoint.save=false "
-                         "writes none; set checkpoint.save=true or drop async_save")
+                          "writes none; set checkpoint.save=true or drop async_save")
     if p.pp > 1:
         _validate_pipeline(p, m, per_step=t.micro_batch_size * dims.dp, global_batch=t.global_batch_size)
     elif p.virtual_pipeline_size != 1 or p.layers_per_stage:
         raise ConfigError(f"parallel.virtual_pipeline_size={p.virtual_pipeline_size} / layers_per_stage="
-                         f"{p.layers_per_stage} need pipeline parallelism (parallel.pp={p.pp})")
+                          f"{p.layers_per_stage} need pipeline parallelism (parallel.pp={p.pp})")
     if p.sequence_parallel and m.seq_length % p.tp:
         raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
-                         f"parallel.tp={p.tp}, which does not divide it")
+                          f"parallel.tp={p.tp}, which does not divide it")
     if p.bucket_size_mb <= 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
-                         f"(got {p.recompute}) and a value of at least 1")
+                          f"(got {p.recompute}) and a value of at least 1")
     if cfg.data.source == "indexed":
         if not cfg.data.paths and not cfg.data.blend:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
-                             "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
+                              "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
         from megalm.data.loader import blend_spec
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
     _validate_vocab(cfg)
@@ -181,21 +181,21 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_
     schedule, v = p.pipeline_schedule, p.virtual_pipeline_size
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} runs one stage per rank; "
-                         f"virtual_pipeline_size={v} needs interleaved_1f1b or interleaved_zb")
+                          f"virtual_pipeline_size={v} needs interleaved_1f1b or interleaved_zb")
     if schedule in ("interleaved_1f1b", "interleaved_zb") and v < 2:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} needs virtual_pipeline_size >= 2 (got {v})")
     if schedule == "zbv" and v != 2:
         raise ConfigError(f"parallel.pipeline_schedule=zbv places exactly 2 stages per rank in a V; "
-                         f"set virtual_pipeline_size=2 (got {v})")
+                          f"set virtual_pipeline_size=2 (got {v})")
     stages = p.pp * v
     stage_layer_ranges(m.num_layers, stages, p.layers_per_stage)
     micro = global_batch // per_step if per_step and global_batch % per_step == 0 else 0
     if micro and micro < p.pp:
         raise ConfigError(f"{micro} micro-batches per step (global_batch_size {global_batch} / (micro_batch_size * "
-                         f"dp) {per_step}) is fewer than parallel.pp={p.pp}: the pipeline never fills")
+                          f"dp) {per_step}) is fewer than parallel.pp={p.pp}: the pipeline never fills")
     if micro and schedule in MULTI_STAGE and micro % p.pp:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
-                         f"to be a multiple of parallel.pp={p.pp}")
+                          f"to be a multiple of parallel.pp={p.pp}")
 
 
 def split_weights(split: str) -> List[float]:
@@ -228,6 +228,6 @@ def reject_unknown_keys(node: Any, path: str = "") -> None:
         extra = sorted(set(node.keys()) - known)
         if extra:
             raise ConfigError(f"unknown key(s) {', '.join(path + str(k) for k in extra)}; "
-                             f"{schema.__name__} has: {', '.join(sorted(known))}")
+                              f"{schema.__name__} has: {', '.join(sorted(known))}")
     for key in node.keys():
         reject_unknown_keys(node._get_node(key), f"{path}{key}.")

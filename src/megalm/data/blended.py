@@ -73,7 +73,7 @@ def parse_blend(spec: Sequence[Any], what: str = "data.blend") -> List[Tuple[flo
     else:
         if len(items) % 2:
             raise DataError(f"{what}={items!r}: the flat form alternates weight and prefix, but it has "
-                             f"{len(items)} entries")
+                            f"{len(items)} entries")
         for k in range(0, len(items), 2):
             pairs.append((_as_weight(items[k], f"{what}[{k}]"), str(items[k + 1])))
     for k, (w, prefix) in enumerate(pairs):
@@ -83,7 +83,7 @@ def parse_blend(spec: Sequence[Any], what: str = "data.blend") -> List[Tuple[flo
             raise DataError(f"{what}: entry {k} has no dataset prefix")
     if sum(w for w, _ in pairs) <= 0:
         raise DataError(f"{what}: all weights are zero ({', '.join(f'{w} {p}' for w, p in pairs)}); "
-                         "at least one must be positive")
+                        "at least one must be positive")
     return pairs
 
 
@@ -100,7 +100,7 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     w = np.asarray(weights, dtype=np.float64)
     if w.ndim != 1 or w.size == 0 or np.any(w < 0) or not np.all(np.isfinite(w)) or w.sum() <= 0:
         raise DataError(f"blend weights {list(map(float, np.ravel(w)))} must be finite, >= 0, "
-                         "and not all zero")
+                        "and not all zero")
     return w / w.sum()
 
 
@@ -211,7 +211,7 @@ class BlendedDataset:
         for d, (ds, n) in enumerate(zip(self.datasets, counts)):
             if n > len(ds):
                 raise DataError(f"{name} blend of {self.size} samples takes {n} from dataset {d} "
-                                 f"(weight {self.weights[d]:.4g}), which has only {len(ds)}")
+                                f"(weight {self.weights[d]:.4g}), which has only {len(ds)}")
         log.info("%s blend: %d samples from %s in %.2f s", name, self.size,
                  ", ".join(f"{n} ({w:.3f})" for n, w in zip(counts, self.weights)), time.perf_counter() - start)
 

@@ -141,7 +141,7 @@ def build_gpt_indices(sizes: np.ndarray, documents: Union[range, np.ndarray], se
     tokens_per_epoch = int(np.asarray(sizes)[documents].sum(dtype=np.int64))
     if tokens_per_epoch < seq_length + 1:
         raise DataError(f"{tokens_per_epoch} tokens in {documents.size} documents are fewer than one sample "
-                         f"of seq_length + 1 = {seq_length + 1}")
+                        f"of seq_length + 1 = {seq_length + 1}")
     epochs = num_epochs_for(tokens_per_epoch, seq_length, num_samples)
     separate = separate_final_epoch_for(tokens_per_epoch, seq_length, num_samples, epochs)
     rng = np.random.RandomState(seed)
@@ -179,7 +179,7 @@ class GPTDataset:
             raise DataError(f"seq_length={seq_length} must be at least 1")
         if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
             raise DataError(f"{name} split: documents {documents} are not a contiguous range "
-                             f"within the {indexed.num_documents} documents of {indexed.prefix}")
+                            f"within the {indexed.num_documents} documents of {indexed.prefix}")
         self.indexed, self.name, self.seq_length, self.seed = indexed, name, seq_length, seed
         self.documents, self.num_samples = documents, num_samples
         offsets = self._offsets = indexed.document_offsets()
@@ -250,7 +250,7 @@ class MockGPTDataset:
             num_samples = _MOCK_DEFAULT_SAMPLES
         if vocab_size < 2 or seq_length < 1 or num_samples < 1:
             raise DataError(f"mock dataset needs vocab_size >= 2, seq_length >= 1, num_samples >= 1 "
-                             f"(got {vocab_size}, {seq_length}, {num_samples})")
+                            f"(got {vocab_size}, {seq_length}, {num_samples})")
         if name not in _SPLIT_IDS:
             raise DataError(f"mock split name {name!r} is not one of {', '.join(_SPLIT_IDS)}")
         self.vocab_size, self.seq_length, self.seed, self.name = vocab_size, seq_length, seed, name

@@ -102,7 +102,7 @@ def _check_dtype(dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype.newbyteorder("=") not in _CODE_OF:
         raise DataError(f"dtype {dtype} is not one the format supports: "
-                         f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
+                        f"{', '.join(str(np.dtype(t)) for t in DTYPE_CODES.values())}")
     return dtype.newbyteorder("<")
 
 
@@ -138,7 +138,7 @@ class IndexedDatasetWriter:
             lo, hi = arr.min(), arr.max()
             if lo < self._lo or hi > self._hi:
                 raise DataError(f"ids in [{lo}, {hi}] do not fit the dataset dtype {self._dtype} "
-                                 f"([{self._lo}, {self._hi}])")
+                                f"([{self._lo}, {self._hi}])")
 
     def add_document(self, ids: Iterable[int]) -> None:
         """Append one document, stored as one sequence."""
@@ -158,7 +158,7 @@ class IndexedDatasetWriter:
         if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
                 (lengths.size and lengths.min() < 0):
             raise DataError(f"{lengths.size} document lengths summing to {int(lengths.sum())} do not "
-                             f"describe {tokens.size} tokens")
+                            f"describe {tokens.size} tokens")
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
             raise DataError(f"a document of {lengths.max()} tokens exceeds the format's int32 length")
         self._check_range(tokens)
@@ -208,7 +208,7 @@ class IndexedDataset:
         for path in (idx_path, bin_path):
             if not path.is_file():
                 raise MissingFileError(f"{path} does not exist (indexed dataset prefix {self.prefix!r} "
-                                        "needs both .idx and .bin)")
+                                       "needs both .idx and .bin)")
         idx_bytes = idx_path.stat().st_size
         if idx_bytes < _HEADER.size:
             raise DataError(f"{idx_path}: {idx_bytes} bytes is shorter than the {_HEADER.size}-byte header")
@@ -216,7 +216,7 @@ class IndexedDataset:
         magic, version, code, n, n_doc_idx = _HEADER.unpack(bytes(buf[:_HEADER.size]))
         if magic != MAGIC:
             raise DataError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r} "
-                             "(not a Megatron indexed dataset index)")
+                            "(not a Megatron indexed dataset index)")
         if version != VERSION:
             raise DataError(f"{idx_path}: version {version} is not supported (only {VERSION})")
         if code not in DTYPE_CODES:
@@ -225,7 +225,7 @@ class IndexedDataset:
         expected = _HEADER.size + 12 * n + 8 * n_doc_idx
         if idx_bytes not in (expected, expected + n):  # + int8[N] sequence modes
             raise DataError(f"{idx_path}: {idx_bytes} bytes, but a header of {n} sequences and "
-                             f"{n_doc_idx} document indices needs {expected}")
+                            f"{n_doc_idx} document indices needs {expected}")
         self.sizes = np.frombuffer(buf, dtype="<i4", count=n, offset=_HEADER.size)
         self.pointers = np.frombuffer(buf, dtype="<i8", count=n, offset=_HEADER.size + 4 * n)
         self.doc_idx = np.frombuffer(buf, dtype="<i8", count=n_doc_idx, offset=_HEADER.size + 12 * n)
@@ -239,7 +239,7 @@ class IndexedDataset:
         need = int(self.offsets[-1]) * self.dtype.itemsize
         if bin_bytes != need:
             raise DataError(f"{bin_path}: {bin_bytes} bytes, but {idx_path} describes "
-                             f"{int(self.offsets[-1])} tokens of {self.dtype} = {need} bytes")
+                            f"{int(self.offsets[-1])} tokens of {self.dtype} = {need} bytes")
         if self.sizes.size and self.sizes.min() < 0:
             raise DataError(f"{idx_path}: negative sequence length {int(self.sizes.min())}")
         if not np.array_equal(self.pointers, self.offsets[:-1] * self.dtype.itemsize):
@@ -247,8 +247,8 @@ class IndexedDataset:
         d = self.doc_idx
         if n_doc_idx < 1 or d[0] != 0 or d[-1] != n or np.any(np.diff(d) < 0):
             raise DataError(f"{idx_path}: document indices must rise from 0 to {n} "
-                             f"(got {n_doc_idx} entries from {d[0] if n_doc_idx else None} "
-                             f"to {d[-1] if n_doc_idx else None})")
+                            f"(got {n_doc_idx} entries from {d[0] if n_doc_idx else None} "
+                            f"to {d[-1] if n_doc_idx else None})")
         # np.memmap cannot map an empty file.
         self.tokens = (np.memmap(bin_path, dtype=self.dtype, mode="r") if bin_bytes
                        else np.zeros(0, dtype=self.dtype))
@@ -327,8 +327,8 @@ class IndexedDataset:
             doc = int(np.searchsorted(self.doc_idx, seq, side="right")) - 1
             where = f" at token {pos} (document {doc}, {pos - int(self.offsets[self.doc_idx[doc]])} tokens in)"
         raise DataError(f"{self.bin_path}: token id {bad}{where} is outside the tokenizer's vocabulary of "
-                         f"{vocab_size} ids (the file holds ids {lo}..{hi}); was it tokenized with another "
-                         "tokenizer?")
+                        f"{vocab_size} ids (the file holds ids {lo}..{hi}); was it tokenized with another "
+                        "tokenizer?")
 
     def __reduce__(self):
         # Reopen by path in worker processes instead of pickling the mapped arrays.

@@ -90,7 +90,7 @@ def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
     blend, paths = list(cfg.blend or []), list(cfg.paths or [])
     if blend and paths:
         raise DataError(f"set data.paths (one prefix) or data.blend (weighted prefixes), not both "
-                         f"(got paths={paths}, blend={blend})")
+                        f"(got paths={paths}, blend={blend})")
     if blend:
         return parse_blend(blend, "data.blend")
     if len(paths) == 1:
@@ -100,7 +100,7 @@ def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
             return parse_blend(paths, "data.paths")  # Megatron's --data-path "w1 p1 w2 p2"
         except ValueError as e:
             raise DataError(f"data.paths takes one prefix, or Megatron's flat [weight, prefix, ...]; for "
-                             f"blending several datasets use data.blend=[[w, prefix], ...] ({e})") from None
+                            f"blending several datasets use data.blend=[[w, prefix], ...] ({e})") from None
     raise DataError("data.source=indexed needs data.paths=[prefix] or data.blend=[[weight, prefix], ...]")
 
 
@@ -277,7 +277,7 @@ class MicroBatchLoader:
         per_step = micro_batch_size * dp_size
         if global_batch_size < 1 or global_batch_size % per_step:
             raise DataError(f"global_batch_size={global_batch_size} is not a positive multiple of "
-                             f"micro_batch_size({micro_batch_size}) * dp_size({dp_size}) = {per_step}")
+                            f"micro_batch_size({micro_batch_size}) * dp_size({dp_size}) = {per_step}")
         if consumed_samples < 0:
             raise DataError(f"consumed_samples={consumed_samples} must not be negative")
         self.dataset = dataset

@@ -64,7 +64,7 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, 
     """
     if vocab_size < 1 or make_vocab_size_divisible_by < 1 or tp < 1:
         raise DataError(f"padded_vocab_size needs positive numbers (vocab_size={vocab_size}, "
-                         f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, tp={tp})")
+                        f"make_vocab_size_divisible_by={make_vocab_size_divisible_by}, tp={tp})")
     multiple = make_vocab_size_divisible_by * tp
     return multiple * math.ceil(vocab_size / multiple)
 
@@ -218,7 +218,7 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
                                        **options)
     except RuntimeError as e:
         raise DataError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
-                         f"{len(lines)} lines: {e}") from None
+                        f"{len(lines)} lines: {e}") from None
     proto = buf.getvalue()
     log.info("tokenizer: trained in %.1f s", time.perf_counter() - start)
     return proto
@@ -336,7 +336,7 @@ def load_tokenizer(directory: Union[str, os.PathLike]) -> Tokenizer:
         extra = json.loads(side.read_text()) if side.is_file() else {}
         return HuggingFaceTokenizer(meta_path, extra.get("eod_token"), extra.get("add_special_tokens", False))
     raise DataError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null, or a Hugging "
-                     "Face tokenizer.json)")
+                    "Face tokenizer.json)")
 
 
 def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
@@ -355,5 +355,5 @@ def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
         return SentencePieceTokenizer(cfg.model)
     if corpus is None:
         raise DataError("tokenizer.type=sentencepiece needs tokenizer.model (a .model path) "
-                         "when there is no text corpus to train one on")
+                        "when there is no text corpus to train one on")
     return SentencePieceTokenizer.train(corpus, cfg.vocab_size, cache_dir)

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from megalm.errors import ConfigError
+
 MESH_DIMS = ("pp", "dp", "cp", "tp")  # slowest to fastest varying
 
 
@@ -30,24 +32,24 @@ class ParallelDims:
     def from_config(cls, p, world_size: int) -> "ParallelDims":
         """Resolve dp = -1 against the world size; every error carries the numbers."""
         if p.cp != 1:
-            raise ValueError(f"parallel.cp={p.cp}: context parallelism is reserved; use cp=1")
+            raise ConfigError(f"parallel.cp={p.cp}: context parallelism is reserved; use cp=1")
         for key in ("tp", "pp"):
             if getattr(p, key) < 1:
-                raise ValueError(f"parallel.{key}={getattr(p, key)} must be at least 1")
+                raise ConfigError(f"parallel.{key}={getattr(p, key)} must be at least 1")
         model_parallel = p.tp * p.pp * p.cp
         if p.dp == -1:
             if world_size % model_parallel:
-                raise ValueError(
+                raise ConfigError(
                     f"world size {world_size} is not divisible by tp({p.tp}) * pp({p.pp}) * "
                     f"cp({p.cp}) = {model_parallel}, so dp=-1 has no whole value")
             dp = world_size // model_parallel
         elif p.dp < 1:
-            raise ValueError(f"parallel.dp={p.dp} must be at least 1, or -1 for the rest of the world")
+            raise ConfigError(f"parallel.dp={p.dp} must be at least 1, or -1 for the rest of the world")
         else:
             dp = p.dp
         dims = cls(tp=p.tp, pp=p.pp, dp=dp, cp=p.cp)
         if dims.world_size != world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"tp({p.tp}) * pp({p.pp}) * dp({dp}) * cp({p.cp}) = {dims.world_size} "
                 f"!= world size ({world_size})")
         return dims

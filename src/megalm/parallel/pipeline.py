@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.config import ParallelConfig
+from megalm.errors import ConfigError
 from megalm.models.gpt import GPT
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv")
@@ -34,18 +35,18 @@ def stage_layer_ranges(num_layers: int, num_stages: int, layers_per_stage: Optio
     if layers_per_stage:
         counts = list(layers_per_stage)
         if len(counts) != num_stages:
-            raise ValueError(f"parallel.layers_per_stage has {len(counts)} entries but the pipeline has "
-                             f"pp * virtual_pipeline_size = {num_stages} stages")
+            raise ConfigError(f"parallel.layers_per_stage has {len(counts)} entries but the pipeline has "
+                              f"pp * virtual_pipeline_size = {num_stages} stages")
         if any(c < 0 for c in counts) or sum(counts) != num_layers:
-            raise ValueError(f"parallel.layers_per_stage={counts} must be non-negative and sum to "
-                             f"model.num_layers={num_layers} (sums to {sum(counts)}): no layer dropped or doubled")
+            raise ConfigError(f"parallel.layers_per_stage={counts} must be non-negative and sum to "
+                              f"model.num_layers={num_layers} (sums to {sum(counts)}): no layer dropped or doubled")
         if any(c == 0 for c in counts[1:-1]):
-            raise ValueError(f"parallel.layers_per_stage={counts}: only the first and last stage may hold no layer")
+            raise ConfigError(f"parallel.layers_per_stage={counts}: only the first and last stage may hold no layer")
     else:
         if num_layers % num_stages:
-            raise ValueError(f"model.num_layers={num_layers} does not split evenly over pp * "
-                             f"virtual_pipeline_size = {num_stages} stages; set parallel.layers_per_stage "
-                             "to an explicit list (e.g. fewer layers on the first and last stage)")
+            raise ConfigError(f"model.num_layers={num_layers} does not split evenly over pp * "
+                              f"virtual_pipeline_size = {num_stages} stages; set parallel.layers_per_stage "
+                              "to an explicit list (e.g. fewer layers on the first and last stage)")
         counts = [num_layers // num_stages] * num_stages
     starts = [sum(counts[:i]) for i in range(num_stages)]
     return [range(s, s + c) for s, c in zip(starts, counts)]

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from megalm.config import LoggingConfig
+from megalm.errors import ConfigError
 
 log = logging.getLogger("megalm.metrics")
 
@@ -75,8 +76,8 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ValueError("logging.tensorboard=true needs the tensorboard package "
-                             "(pip install 'megalm[tensorboard]'), or set logging.tensorboard=false") from None
+            raise ConfigError("logging.tensorboard=true needs the tensorboard package "
+                              "(pip install 'megalm[tensorboard]'), or set logging.tensorboard=false") from None
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
 
     def write(self, record: Dict[str, Any]) -> None:

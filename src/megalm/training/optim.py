@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from megalm.config import OptimizerConfig
+from megalm.errors import ConfigError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
@@ -41,7 +42,7 @@ def _make(cfg: OptimizerConfig, groups: List[dict]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, foreach=True)
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, foreach=True)
-    raise ValueError(f"optimizer.name={cfg.name!r} is not one of adamw, sgd")
+    raise ConfigError(f"optimizer.name={cfg.name!r} is not one of adamw, sgd")
 
 
 class LRSchedule:
