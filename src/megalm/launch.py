@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -109,6 +112,10 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
     with tempfile.TemporaryDirectory(prefix="megalm-ranks-") as reports:
         saved = os.environ.get(REPORT_DIR_ENV)
         os.environ[REPORT_DIR_ENV] = reports  # inherited by the spawned ranks
+        # SIGUSR1 (Slurm's early warning) would end this process: pass it on to the ranks instead
+        # (the agent does so for SIGTERM itself). Its workers are this process's children.
+        usr1 = signal.signal(signal.SIGUSR1, lambda signum, frame: [
+            os.kill(child.pid, signum) for child in multiprocessing.active_children()])
         try:
             results = elastic_launch(launch_cfg, entrypoint or rank_main)(cfg, str(run_dir))
         except ChildFailedError as e:
@@ -116,6 +123,7 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
         except SignalException as e:
             return _after_signal(Path(reports), e, world_size)
         finally:
+            signal.signal(signal.SIGUSR1, usr1)
             for logger, level in zip(quiet, levels):
                 logger.setLevel(level)
             if saved is None:
@@ -160,7 +168,6 @@ def rank_failure(folder: Path, error) -> BaseException:
 
 
 def _signal_name(number: int) -> str:
-    import signal
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -248,10 +255,18 @@ def _rank_main(cfg: Config, run_dir: str):
     _write_report(rank, status="ok", result=result)
     from megalm.training.trainer import stopped_on_signal
     if stopped_on_signal() and os.environ.get(REPORT_DIR_ENV):
-        # The agent is shutting down on the signal and will not read a return value, while torch's
-        # worker wrapper would wait for it to, until killed 30 s later: the report says it all.
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        # After returning, torch's worker wrapper waits for the agent to read the result. An agent
+        # that is itself stopping on SIGTERM never does, and kills the rank only 30 s later; so
+        # leave on our own after a grace period (the result is already in the pipe, and the report
+        # says the rest). A healthy agent (SIGUSR1, a signal to one rank) reads it well before.
+        leave = threading.Timer(5.0, _leave)
+        leave.daemon = True  # an orderly exit (the agent read the result) does not wait for it
+        leave.start()
     return result
+
+
+def _leave() -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
