@@ -58,7 +58,7 @@ def compose_cfg(args, parallel):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from megalm.config import conf_dir
-    over = [f"model={args.model}", f"model.num_layers={args.layers}"]
+    over = [f"model={args.model}", f"model.num_layers={args.layers}", "data=mock"]  # batches are drawn here
     for key, val in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
                      ("seq_length", args.seq), ("vocab_size", args.vocab)):
         if val is not None:

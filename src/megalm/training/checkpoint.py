@@ -237,7 +237,10 @@ class Checkpointer:
             f"({self.latest_published() or 'none'}) is kept") from None
 
     def latest_published(self) -> Optional[Path]:
-        """The step folder `latest` names (for messages); None before the first save."""
+        """The step folder `latest` names, or will once a background save lands (for messages);
+        None before the first save."""
+        if self._pending is not None:
+            return self._pending[2]
         try:
             return self.dir / (self.dir / "latest").read_text().strip()
         except OSError:
