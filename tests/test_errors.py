@@ -131,11 +131,14 @@ def trained(corpus_a, tokenizers, tmp_path_factory):
 
 
 def snapshot(run_dir: Path):
-    return {name: (run_dir / name).read_bytes() for name in ("config.yaml", "tokenizer.model", "metrics.jsonl")}
+    """Every file of the run directory and its bytes, but the log, which records each attempt."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != "train.log"}
 
 
 def test_resume_with_another_tokenizer_is_refused_and_changes_nothing(trained, corpus_a, tokenizers, tmp_path):
     before = snapshot(trained)
+    assert {"config.yaml", "tokenizer.model", "metrics.jsonl", "checkpoints/latest"} <= set(before)
     r = cli(*QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=4",
             f"hydra.run.dir={trained}", cwd=tmp_path)
     a, b = (SentencePieceTokenizer(tokenizers[k]).identity for k in "ab")
