@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,10 @@ from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (HuggingFaceTokenizer, IndexedDataset, build_data, build_tokenizer, load_tokenizer,
                          padded_vocab_size, stdlib_corpus)
 from megalm.data import preprocess as pp
+from megalm.data.provenance import (check_corpus_tokenizer, describe, read_provenance, sidecar_path,
+                                   tokenizer_record)
 from megalm.data.train_tokenizer import train as train_tokenizer
+from megalm.errors import DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 NASTY = ("def f(x):\n\tif x:\n\t\treturn  x   \n\n\n    # trailing   \r\n"
@@ -62,6 +66,18 @@ def sp_cfg(sp_dir):
 
 def files_of(prefix):
     return [Path(str(prefix) + s).read_bytes() for s in (".bin", ".idx")]
+
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def error_line(stderr: str) -> str:
+    """The one line stderr holds besides log records: the error, with no traceback around it."""
+    lines = [line for line in stderr.splitlines() if not re.match(r"\d{4}-\d\d-\d\d [\d:,]+ (INFO|WARNING) ", line)]
+    assert len(lines) == 1, stderr[-3000:]
+    return lines[0]
 
 
 # ---------------------------------------------------------------- preprocessing
@@ -175,23 +191,38 @@ def test_interrupted_preprocessing_leaves_nothing(jsonl, sp_cfg, tmp_path, monke
     assert list(tmp_path.iterdir()) == []
 
 
-def test_killed_cli_leaves_no_complete_looking_output(tmp_path, sp_dir):
+@pytest.mark.parametrize("moment", ["as the workers start", "with chunks in flight"])
+def test_killed_cli_leaves_no_complete_looking_output(tmp_path, sp_dir, moment):
+    """SIGTERM as soon as the output's temporary appears (the workers are still starting: the case
+    that hung multiprocessing.Pool), or to the whole process group once tokens are being written (a
+    scheduler's stop: the workers die too). Either way the run stops with nothing finished-looking."""
     big = tmp_path / "big.jsonl"
     line = json.dumps({"text": ("def spam(eggs):\n    return eggs * 2  # ham\n" * 40)}) + "\n"
-    big.write_text(line * 20000)  # ~35 MB: many seconds of work; it is stopped long before the end
+    big.write_text(line * 20000)  # ~35 MB: seconds of work; it is stopped long before the end
     out = tmp_path / "out"
     out.mkdir()
     proc = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "preprocess_data.py"), "--input", str(big),
                              "--output-prefix", str(out / "c"), "--tokenizer-model", str(sp_dir / "tokenizer.model"),
-                             "--workers", "2", "--chunk-mb", "0.1"], stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 60
-    while not list(out.glob(".c_text_document.bin.*")) and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.02)
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=60)
+                             "--workers", "2", "--chunk-mb", "0.1"], stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        started = (lambda: True) if moment == "as the workers start" else \
+            (lambda: any(p.stat().st_size > 0 for p in out.glob(".c_text_document.bin.*")))
+        deadline = time.monotonic() + 300  # generous: a loaded machine starts Python slowly
+        while not (list(out.glob(".c_text_document.bin.*")) and started()):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+            time.sleep(0.005)
+        if moment == "as the workers start":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:  # a hang: leave no processes behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
     assert proc.returncode == 130, err[-2000:]
-    assert "interrupted; no output was written" in err
+    assert err.rstrip().splitlines()[-1] == "megalm.data.preprocess: interrupted; no output was written"
     assert list(out.iterdir()) == []
     with pytest.raises(FileNotFoundError):
         IndexedDataset(out / "c_text_document")
@@ -219,7 +250,68 @@ def test_cli_entry_points_agree(jsonl, tmp_path):
     e = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", "--input", str(tmp_path / "none.jsonl"),
                         "--output-prefix", str(tmp_path / "x"), "--tokenizer-type", "null"],
                        capture_output=True, text=True, timeout=120)
-    assert e.returncode == 2 and "none.jsonl does not exist" in e.stderr
+    assert e.returncode == 1
+    assert e.stderr.splitlines()[0] == \
+        f"megalm.data.preprocess: not found: input file {tmp_path}/none.jsonl does not exist"
+
+
+EMPTY = '{"text": ""}\n\n{"text": ""}\n'  # two documents of nothing, and a blank line
+
+
+@pytest.mark.parametrize("inputs, extra, want", [
+    pytest.param({"a.jsonl": "", "b.jsonl": "\n\n"}, [],
+                 "data: no documents to write to {out}/c_text_document: {dir}/a.jsonl, {dir}/b.jsonl: 0 records "
+                 "read (blank lines are not documents); no output was written", id="no records"),
+    pytest.param({"a.jsonl": EMPTY}, ["--workers", "2"],
+                 "data: no documents to write to {out}/c_text_document: {dir}/a.jsonl: 2 record(s) read, all 2 "
+                 "skipped as empty ('text' tokenizes to nothing); no output was written", id="only empty documents"),
+    pytest.param({"a.jsonl": '{"text": "fine"}\n{"text": oops}\n'}, ["--workers", "2"],
+                 "data: {dir}/a.jsonl:2: not a JSON line (Expecting value: line 1 column 10 (char 9))",
+                 id="a bad JSON line"),
+    pytest.param({}, [], "not found: input file {dir}/a.jsonl does not exist", id="a missing input"),
+    pytest.param({"a.jsonl": EMPTY}, ["--merge", "x"], "invalid config: --merge and --input do not go together",
+                 id="merge with input"),
+])
+def test_cli_user_errors_are_one_line_and_exit_1(tmp_path, sp_dir, inputs, extra, want):
+    src, out = tmp_path / "in", tmp_path / "out"
+    src.mkdir()
+    for name, text in inputs.items():
+        (src / name).write_text(text)
+    r = cli("--input", *(sorted(src / n for n in inputs) or [src / "a.jsonl"]), "--output-prefix", out / "c",
+            "--tokenizer-model", sp_dir / "tokenizer.model", *extra)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert error_line(r.stderr) == "megalm.data.preprocess: " + want.format(out=out, dir=src)
+    assert not out.exists() or list(out.iterdir()) == []  # nothing, not even an empty dataset
+
+
+def test_outputs_record_their_tokenizer_and_merges_refuse_two_tokenizers(jsonl, sp_cfg, tmp_path):
+    sp = build_tokenizer(sp_cfg)
+    stats = pp.preprocess([str(jsonl)], str(tmp_path / "sp"), tokenizer=sp_cfg, append_eod=True)
+    prefix = tmp_path / "sp_text_document"
+    record, ds = read_provenance(prefix), IndexedDataset(prefix)
+    assert record["tokenizer"]["identity"] == sp.identity and record["tokenizer"]["vocab_size"] == sp.vocab_size
+    assert (record["documents"], record["tokens"]) == (ds.num_documents, ds.num_tokens) == \
+        (stats.written["text"], stats.tokens["text"])
+    check_corpus_tokenizer(prefix, sp)  # what training does with the record
+    null_cfg = TokenizerConfig(type="null", vocab_size=sp.vocab_size)  # same size and dtype, other ids
+    with pytest.raises(DataError, match=f"was tokenized with {sp.identity}"):
+        check_corpus_tokenizer(prefix, build_tokenizer(null_cfg))
+    # A merge of corpora from one tokenizer carries its record over.
+    pp.merge([str(prefix), str(prefix)], str(tmp_path / "twice"))
+    twice = read_provenance(tmp_path / "twice")
+    assert twice["tokenizer"] == record["tokenizer"] and twice["documents"] == 2 * ds.num_documents
+    # Two tokenizers: refused (a merge without a record would hide the mix from training).
+    (tmp_path / "ids.jsonl").write_text('{"text": "1 2 3"}\n{"text": "4 5"}\n')
+    pp.preprocess([str(tmp_path / "ids.jsonl")], str(tmp_path / "null"), tokenizer=null_cfg)
+    assert read_provenance(tmp_path / "null_text_document")["tokenizer"]["identity"] == f"null:{sp.vocab_size}"
+    r = subprocess.run([sys.executable, "-m", "megalm.data.preprocess", "--merge", str(prefix),
+                        str(tmp_path / "null_text_document"), "--output-prefix", str(tmp_path / "mixed")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert error_line(r.stderr) == ("megalm.data.preprocess: data: cannot merge corpora made by different tokenizers: "
+                                    f"{prefix}: {describe(tokenizer_record(sp))}; {tmp_path}/null_text_document: "
+                                    "null:500 (500 ids). Preprocess them again with one tokenizer")
+    assert not list(tmp_path.glob("mixed*")) and not sidecar_path(tmp_path / "mixed").exists()
 
 
 # ---------------------------------------------------------------- tokenizers

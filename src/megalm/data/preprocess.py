@@ -12,8 +12,12 @@ text (--text-document: one document per paragraph, line or file), optionally gzi
 streams through in chunks of about --chunk-mb of raw bytes; with --workers N a process pool parses
 and tokenizes the chunks while the main process writes the results in input order, so the output
 is byte for byte the same for any N and memory stays bounded by the chunks in flight. Documents
-that tokenize to nothing are skipped and counted. Output files appear only when complete (the
-writer's temporary names and renames), so an interrupted run leaves nothing that looks finished.
+that tokenize to nothing are skipped and counted; a corpus that yields no document at all is an
+error, not an empty dataset. Output files appear only when complete (the writer's temporary names
+and renames), so an interrupted or failed run leaves nothing that looks finished. Beside each
+output, `<prefix>.megalm.json` records the tokenizer that made it (`megalm.data.provenance`); a
+merge carries that record over when every input has the same one, and refuses inputs made by
+different tokenizers.
 """
 
 from __future__ import annotations
@@ -27,12 +31,12 @@ import gzip
 import itertools
 import json
 import logging
-import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -41,9 +45,13 @@ import numpy as np
 
 from megalm.config import TokenizerConfig
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, merge_datasets
+from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance
 from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megalm.data.workers import Workers
+from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError, cli_errors
 
 log = logging.getLogger("megalm.data.preprocess")
+PROG = "megalm.data.preprocess"
 
 TEXT_DOCUMENT_MODES = ("paragraph", "line", "file")
 _MEGATRON_TOKENIZER_NAMES = {  # Megatron's --tokenizer-type values, for familiar command lines
@@ -52,7 +60,7 @@ _MEGATRON_TOKENIZER_NAMES = {  # Megatron's --tokenizer-type values, for familia
 }
 
 
-class PreprocessError(ValueError):
+class PreprocessError(DataError):
     """Bad input, with the file and line it came from."""
 
 
@@ -102,16 +110,16 @@ def expand_inputs(patterns: Sequence[str]) -> List[Path]:
             matches = sorted(globlib.glob(pattern, recursive=True))
             matches = [m for m in matches if os.path.isfile(m)]
             if not matches:
-                raise FileNotFoundError(f"input pattern {pattern!r} matches no files")
+                raise MissingFileError(f"input pattern {pattern!r} matches no files")
             files += [Path(m) for m in matches]
         elif os.path.isdir(pattern):
-            raise IsADirectoryError(f"input {pattern} is a directory; give files or a glob like {pattern}/*.jsonl")
+            raise ConfigError(f"input {pattern} is a directory; give files or a glob like {pattern}/*.jsonl")
         elif not os.path.isfile(pattern):
-            raise FileNotFoundError(f"input file {pattern} does not exist")
+            raise MissingFileError(f"input file {pattern} does not exist")
         else:
             files.append(Path(pattern))
     if not files:
-        raise ValueError("no input files given")
+        raise ConfigError("no input files given")
     return files
 
 
@@ -119,7 +127,7 @@ def input_kind(path: Path, input_format: str = "auto") -> str:
     if input_format in ("jsonl", "text"):
         return input_format
     if input_format != "auto":
-        raise ValueError(f"--input-format {input_format!r} is not one of auto, jsonl, text")
+        raise ConfigError(f"--input-format {input_format!r} is not one of auto, jsonl, text")
     name = path.name[:-3] if path.name.endswith(".gz") else path.name
     return "jsonl" if name.endswith((".jsonl", ".json", ".ndjson")) else "text"
 
@@ -130,6 +138,17 @@ def _open(path: Path):
 
 def _records(path: Path, kind: str, text_document: str) -> Iterator[Tuple[int, bytes]]:
     """(line number, raw document bytes) of one file, streamed."""
+    if text_document not in TEXT_DOCUMENT_MODES:
+        raise ConfigError(f"--text-document {text_document!r} is not one of {', '.join(TEXT_DOCUMENT_MODES)}")
+    try:
+        yield from _read_records(path, kind, text_document)
+    except FileNotFoundError as e:
+        raise MissingFileError(f"input file {path} disappeared while reading ({e.strerror})") from None
+    except (OSError, EOFError) as e:  # unreadable, or a .gz that is not gzip or is cut short
+        raise DataError(f"cannot read input {path}: {e}") from None
+
+
+def _read_records(path: Path, kind: str, text_document: str) -> Iterator[Tuple[int, bytes]]:
     with _open(path) as f:
         if kind == "jsonl":
             for n, line in enumerate(f, 1):
@@ -153,8 +172,6 @@ def _records(path: Path, kind: str, text_document: str) -> Iterator[Tuple[int, b
                     block.append(line)
             if block:
                 yield first, _paragraph(block)
-        else:
-            raise ValueError(f"--text-document {text_document!r} is not one of {', '.join(TEXT_DOCUMENT_MODES)}")
 
 
 def _paragraph(lines: List[bytes]) -> bytes:
@@ -186,11 +203,7 @@ def read_chunks(files: Sequence[Path], *, input_format: str = "auto", text_docum
 _STATE: Dict[str, Any] = {}
 
 
-def _init_worker(tok_cfg: dict, keys: Tuple[str, ...], append_eod: bool, num_threads: int,
-                 in_pool: bool = False) -> None:
-    if in_pool:  # the main process handles Ctrl-C and kill, then terminates the pool
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def _init_worker(tok_cfg: dict, keys: Tuple[str, ...], append_eod: bool, num_threads: int) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if num_threads == 1 else "true")
     tokenizer = build_tokenizer(TokenizerConfig(**tok_cfg))
     _STATE.update(tokenizer=tokenizer, keys=keys, append_eod=append_eod, num_threads=num_threads)
@@ -278,6 +291,35 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
+def _build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    try:
+        return build_tokenizer(cfg)
+    except MegalmError:
+        raise
+    except FileNotFoundError as e:
+        raise MissingFileError(str(e)) from None
+    except ValueError as e:
+        raise DataError(f"tokenizer {cfg.model or cfg.type}: {e}") from None
+
+
+def _open_writer(prefix: str, dtype) -> IndexedDatasetWriter:
+    try:
+        return IndexedDatasetWriter(prefix, dtype)
+    except OSError as e:
+        raise ConfigError(f"--output-prefix: cannot write {prefix}.bin ({e.strerror or e})") from None
+
+
+def _require_documents(files: Sequence[Path], keys: Sequence[str], stats: PreprocessStats) -> None:
+    """A dataset of no documents is a mistake (an empty file, the wrong --json-keys): say what was read."""
+    for k in keys:
+        if stats.written[k]:
+            continue
+        names = ", ".join(map(str, files[:3])) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
+        found = (f"{stats.documents} record(s) read, all {stats.skipped_empty[k]} skipped as empty ({k!r} "
+                 "tokenizes to nothing)" if stats.documents else "0 records read (blank lines are not documents)")
+        raise DataError(f"no documents to write to {stats.outputs[k]}: {names}: {found}; no output was written")
+
+
 def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: TokenizerConfig,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
                input_format: str = "auto", text_document: str = "paragraph", chunk_mb: float = 1.0,
@@ -286,14 +328,14 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
     files = expand_inputs(inputs)
     keys = tuple(json_keys)
     if not keys or len(set(keys)) != len(keys):
-        raise ValueError(f"--json-keys {list(keys)} must name at least one key, each once")
+        raise ConfigError(f"--json-keys {list(keys)} must name at least one key, each once")
     kinds = {input_kind(f, input_format) for f in files}
     if "text" in kinds and len(keys) > 1:
-        raise ValueError(f"plain-text inputs hold one document stream; --json-keys {list(keys)} names several")
+        raise ConfigError(f"plain-text inputs hold one document stream; --json-keys {list(keys)} names several")
     if workers < 1:
-        raise ValueError(f"--workers {workers} must be at least 1")
+        raise ConfigError(f"--workers {workers} must be at least 1")
     tok_cfg = dataclasses.asdict(tokenizer)
-    main_tok = build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
+    main_tok = _build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
     dtype = best_dtype(main_tok.vocab_size)
     stats = PreprocessStats()
     stats.outputs = {k: output_prefix_for(output_prefix, k) for k in keys}
@@ -310,8 +352,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if progress is None else not progress)
     start = time.perf_counter()
-    with contextlib.ExitStack() as stack:
-        writers = {k: stack.enter_context(IndexedDatasetWriter(stats.outputs[k], dtype)) for k in keys}
+    with contextlib.ExitStack() as stack:  # unwinds in reverse: workers killed, then the writers abort
+        stack.callback(bar.close)
+        writers = {k: stack.enter_context(_open_writer(stats.outputs[k], dtype)) for k in keys}
 
         def take(chunk_bytes: int, chunk_docs: int, result) -> None:
             for k, (flat, lengths, empty) in result.items():
@@ -333,23 +376,24 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
                 _check_stop()
                 take(chunk.nbytes, len(chunk.records), encode_chunk(chunk))
         else:
-            ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods()
-                                              else "spawn")
-            pool = ctx.Pool(workers, initializer=_init_worker, initargs=init + (True,))
-            stack.callback(pool.terminate)  # on error or interrupt: stop the workers, writers abort
-            pending: collections.deque = collections.deque()
+            pool = Workers(workers, _init_worker, init, encode_chunk, _STOP)
+            stack.callback(pool.stop)  # on error or interrupt: SIGKILL
+            pool.start()
+            pending: collections.deque = collections.deque()  # (bytes, documents) of each chunk in flight
             for chunk in chunks:
                 while len(pending) >= 4 * workers:  # bounded look-ahead: memory never holds the input
-                    nbytes, ndocs, res = pending.popleft()
-                    take(nbytes, ndocs, _wait(res))
+                    take(*pending.popleft(), pool.result())
                 _check_stop()
-                pending.append((chunk.nbytes, len(chunk.records), pool.apply_async(encode_chunk, (chunk,))))
+                pool.submit(chunk)
+                pending.append((chunk.nbytes, len(chunk.records)))
             while pending:
-                nbytes, ndocs, res = pending.popleft()
-                take(nbytes, ndocs, _wait(res))
-            pool.close()
-            pool.join()
-    bar.close()
+                take(*pending.popleft(), pool.result())
+            pool.stop(graceful=True)
+        _require_documents(files, keys, stats)  # raised here, the writers abort
+        for k in keys:  # an older run's record must not outlive the files it described
+            sidecar_path(stats.outputs[k]).unlink(missing_ok=True)
+    for k in keys:  # after the .bin/.idx are in place
+        write_provenance(stats.outputs[k], main_tok, documents=stats.written[k], tokens=stats.tokens[k])
     stats.seconds = time.perf_counter() - start
     for k in keys:
         if stats.skipped_empty[k]:
@@ -369,14 +413,18 @@ def _check_stop() -> None:
         raise KeyboardInterrupt("stop requested")
 
 
-def _wait(res):
-    """A pool result, checking for a stop request while waiting."""
-    while True:
-        _check_stop()
-        try:
-            return res.get(timeout=0.2)
-        except multiprocessing.TimeoutError:
-            continue
+def _merged_tokenizer(prefixes: Sequence[str]) -> Tuple[Optional[Dict[str, Any]], List[str]]:
+    """The tokenizer record every input carries (None when one has none), and the inputs without one."""
+    made = {p: (read_provenance(p) or {}).get("tokenizer") for p in prefixes}
+    known = {p: t for p, t in made.items() if t is not None}
+    if len({t.get("identity") for t in known.values()}) > 1:
+        # Refused rather than merged without a record: the result would mix ids that mean other
+        # tokens in each part, and without a record no training run could notice.
+        raise DataError("cannot merge corpora made by different tokenizers: "
+                        + "; ".join(f"{p}: {describe(t)}" for p, t in known.items())
+                        + ". Preprocess them again with one tokenizer")
+    unrecorded = [p for p, t in made.items() if t is None]
+    return (None if unrecorded else next(iter(known.values()))), unrecorded
 
 
 def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
@@ -390,12 +438,25 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
         if any(ch in p for ch in "*?["):
             matches = sorted(m[:-4] for m in globlib.glob(p + ".idx"))
             if not matches:
-                raise FileNotFoundError(f"merge pattern {p!r} matches no .idx files")
+                raise MissingFileError(f"merge pattern {p!r} matches no .idx files")
             resolved += matches
         else:
             resolved.append(p)
     start = time.perf_counter()
-    out = merge_datasets(resolved, output_prefix)
+    tokenizer, unrecorded = _merged_tokenizer(resolved)  # before writing: a refusal leaves nothing
+    try:
+        out = merge_datasets(resolved, output_prefix)
+    except FileNotFoundError as e:
+        raise MissingFileError(str(e)) from None
+    except ValueError as e:  # different dtypes, an input that is the output, a damaged .idx
+        raise DataError(str(e)) from None
+    sidecar_path(output_prefix).unlink(missing_ok=True)
+    if tokenizer is not None:
+        write_provenance(output_prefix, types.SimpleNamespace(**tokenizer), documents=out.num_documents,
+                         tokens=out.num_tokens, merged_from=resolved)
+    elif len(unrecorded) < len(resolved):
+        log.warning("merge: %s carry no tokenizer record, so %s gets none and training cannot check it",
+                    ", ".join(unrecorded), output_prefix)
     log.info("merge: %d datasets -> %s (%d documents, %d tokens) in %.1f s", len(resolved), output_prefix,
              out.num_documents, out.num_tokens, time.perf_counter() - start)
     return out
@@ -404,7 +465,7 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
 # ---------------------------------------------------------------- command line
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="preprocess_data", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", nargs="+", help="input files or glob patterns (JSON lines or text; .gz works)")
     p.add_argument("--output-prefix", required=True, help="output path prefix (merge: the full output prefix)")
@@ -434,43 +495,48 @@ def _parser() -> argparse.ArgumentParser:
 def tokenizer_config(args: argparse.Namespace) -> TokenizerConfig:
     kind = _MEGATRON_TOKENIZER_NAMES.get(args.tokenizer_type.lower(), args.tokenizer_type.lower())
     if kind not in TOKENIZER_TYPES:
-        raise ValueError(f"--tokenizer-type {args.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if kind != "null" and not args.tokenizer_model:
-        raise ValueError(f"--tokenizer-type {kind} needs --tokenizer-model")
+        raise ConfigError(f"--tokenizer-type {kind} needs --tokenizer-model")
     return TokenizerConfig(type=kind, model=args.tokenizer_model, vocab_size=args.vocab_size,
                            eod_token=args.eod_token, add_special_tokens=args.add_special_tokens)
+
+
+def _note_stop(signum, frame) -> None:
+    # Only note it: preprocess() stops at its next check (every chunk, and every 0.2 s while it
+    # waits for a worker) with KeyboardInterrupt, which kills the workers and aborts the writers.
+    _STOP.set()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-
-    def terminate(signum, frame):
-        # Only note it: raising here could interrupt the pool's internals while they hold a lock,
-        # and pool.terminate() would then hang. preprocess() stops at the next safe point, with
-        # KeyboardInterrupt, so the writers' temporaries are removed.
-        _STOP.set()
-
-    signal.signal(signal.SIGTERM, terminate)
-    signal.signal(signal.SIGINT, terminate)
-    try:
-        if args.merge:
-            if args.input:
-                raise ValueError("--merge and --input do not go together")
-            merge(args.merge, args.output_prefix)
+    _STOP.clear()
+    with cli_errors(PROG):
+        try:
+            if args.merge:
+                if args.input:
+                    raise ConfigError("--merge and --input do not go together")
+                # merge_datasets removes its temporaries on any exception: interrupt it anywhere
+                signal.signal(signal.SIGTERM, _interrupt)
+                signal.signal(signal.SIGINT, _interrupt)
+                merge(args.merge, args.output_prefix)
+                return 0
+            if not args.input:
+                raise ConfigError("give --input files (or --merge prefixes)")
+            signal.signal(signal.SIGTERM, _note_stop)
+            signal.signal(signal.SIGINT, _note_stop)
+            preprocess(args.input, args.output_prefix, tokenizer=tokenizer_config(args), json_keys=args.json_keys,
+                       append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
+                       text_document=args.text_document, chunk_mb=args.chunk_mb, progress=args.progress)
             return 0
-        if not args.input:
-            raise ValueError("give --input files (or --merge prefixes)")
-        preprocess(args.input, args.output_prefix, tokenizer=tokenizer_config(args), json_keys=args.json_keys,
-                   append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
-                   text_document=args.text_document, chunk_mb=args.chunk_mb, progress=args.progress)
-        return 0
-    except (ValueError, OSError) as e:
-        print(f"preprocess_data: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("preprocess_data: interrupted; no output was written", file=sys.stderr)
-        return 130
+        except KeyboardInterrupt:
+            print(f"{PROG}: interrupted; no output was written", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":
