@@ -1,8 +1,11 @@
 """Checkpoint integrity: manifests and the fallback past a damaged folder, the shape-mismatch
-report, SIGKILL during and after a save, bitwise resume, and async saves equal to sync ones."""
+report, SIGKILL during and after a save (one process, and whole two-rank jobs at tp2 and pp2),
+bitwise resume, SIGTERM on one rank stopping every rank at one step, and async saves equal to
+sync ones."""
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -80,12 +83,13 @@ def test_damaged_newest_checkpoint_is_reported_and_the_previous_one_resumed(tmp_
     run(load(*COMMON, "trainer.max_steps=6", "trainer.exit_interval=4"), tmp_path)
     shard = tmp_path / "checkpoints" / "step_00000004" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-100])  # a copy cut short
-    with caplog.at_level(logging.WARNING, logger="megalm.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="megalm.checkpoint"), \
+            caplog.at_level(logging.INFO, logger="megalm.trainer"):
         run(load(*COMMON), tmp_path)
     warning = next(r.getMessage() for r in caplog.records if "is damaged" in r.getMessage())
     assert str(shard.parent) in warning and "__0_0.distcp" in warning and "truncated" in warning
-    steps = [r["step"] for r in records(tmp_path) if "loss" in r]
-    assert steps == [1, 2, 3, 4, 3, 4, 5, 6]  # resumed at 2, and step 4 saved again over the damaged one
+    assert "resuming at step 2" in caplog.text  # and step 4 saved again over the damaged one
+    assert [r["step"] for r in records(tmp_path) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
     assert losses(tmp_path) == losses(straight)
     assert verify(shard.parent) == []
 
@@ -172,7 +176,7 @@ def kill_when(proc: subprocess.Popen, flag: Path, until=lambda: True, timeout: f
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, straight, mode):
+def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_path, straight, mode, caplog):
     run_dir, flag = tmp_path / "run", tmp_path / "writing"
     # Hold the write of step 4 after DCP wrote every shard and .metadata, before megalm commits it.
     hook = f"""
@@ -194,9 +198,10 @@ def test_sigkill_while_writing_a_checkpoint_resumes_from_the_previous_one(tmp_pa
     ckpt = run_dir / "checkpoints"
     assert (ckpt / ".step_00000004.tmp" / ".metadata").exists() and not (ckpt / "step_00000004").exists()
     assert Checkpointer(CheckpointConfig(), run_dir).latest() == ckpt / "step_00000002"
-    run(load(*overrides), run_dir)  # auto-resume in the same run directory
-    steps = [r["step"] for r in records(run_dir) if "loss" in r]
-    assert steps == [*range(1, last + 1), 3, 4, 5, 6]  # resumed at 2
+    with caplog.at_level(logging.INFO, logger="megalm.trainer"):
+        run(load(*overrides), run_dir)  # auto-resume in the same run directory
+    assert "resuming at step 2" in caplog.text
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
     assert losses(run_dir) == losses(straight)
 
 
@@ -222,8 +227,8 @@ def test_sigkill_after_a_checkpoint_resumes_with_bitwise_identical_losses(tmp_pa
     restart = subprocess.run([sys.executable, "-m", "megalm.train", *COMMON, f"hydra.run.dir={run_dir}"],
                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert restart.returncode == 0, restart.stderr[-3000:]
-    steps = [r["step"] for r in records(run_dir) if "loss" in r]
-    assert steps == [1, 2, 3, 4, 5, 5, 6]  # resumed at 4: step 5 again, then 6
+    assert "resuming at step 4" in (run_dir / "train.log").read_text()  # step 5 again, then 6
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == [1, 2, 3, 4, 5, 6]  # each step once
     assert losses(run_dir) == ref  # ==, not approx: RNG, data position and optimizer state all restored
 
 
@@ -292,17 +297,22 @@ def test_sigterm_with_async_save_lands_the_last_checkpoint(tmp_path):
     assert not list((run_dir / "checkpoints").glob(".*.tmp"))
 
 
-def _sync_then_async(rank, world, overrides, out):
-    """Straight with sync saves; then async, stopped at step 2 and resumed."""
+def _config(overrides, world):
+    """`load` for a rank of `world` (load validates for one process)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     from megalm.config import conf_dir
     from megalm.validation import validate
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=list(overrides)))
+    validate(cfg, world)
+    return cfg
+
+
+def _sync_then_async(rank, world, overrides, out):
+    """Straight with sync saves; then async, stopped at step 2 and resumed."""
     for name, extra in (("sync", []), ("async", ["trainer.exit_interval=2"]), ("async", [])):
-        with initialize_config_dir(conf_dir(), version_base="1.3"):
-            cfg = OmegaConf.to_object(compose("config", overrides=[
-                *overrides, *extra, f"checkpoint.async_save={name == 'async'}"]))
-        validate(cfg, world)
+        cfg = _config([*overrides, *extra, f"checkpoint.async_save={name == 'async'}"], world)
         run(cfg, Path(out) / name, world)
 
 
@@ -310,24 +320,46 @@ RANK_LAYOUTS = {"tp2": ["parallel=tp2", "model.attention_dropout=0.1"],  # the p
                 "pp2": ["parallel=pp2"]}  # stages draw dropout for different layers: their default streams part
 
 
-def _every_layout(rank, world, out):
-    for layout, overrides in RANK_LAYOUTS.items():  # one set of ranks for both (process start-up dominates)
+def _sigterm_on_rank_1_only(rank, world, out):
+    """dp2, 6 steps; as step 3 starts, rank 1 alone gets SIGTERM. What step did each rank stop at?"""
+    from megalm.training import trainer as trainer_module
+    train_step, done = trainer_module.Trainer.train_step, []
+
+    def signalled_train_step(self):
+        if rank == 1 and self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before this step runs: the trainer notes it
+        out = train_step(self)
+        done.append(self.step)
+        return out
+
+    trainer_module.Trainer.train_step = signalled_train_step
+    try:
+        run(_config([*COMMON, "parallel=dp2"], world), Path(out), world)
+    finally:
+        trainer_module.Trainer.train_step = train_step
+    return {"last_step": done[-1], "stopped_on_signal": trainer_module.stopped_on_signal()}
+
+
+def _two_rank_runs(rank, world, out):
+    # One set of ranks for everything here (process start-up dominates): tp2 and pp2, then SIGTERM.
+    for layout, overrides in RANK_LAYOUTS.items():
         _sync_then_async(rank, world, [*COMMON, "trainer.max_steps=4", *overrides], str(Path(out) / layout))
+    return _sigterm_on_rank_1_only(rank, world, str(Path(out) / "sigterm"))
 
 
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory):
+    """Per layout: sync (the uninterrupted reference) and async runs; then the SIGTERM run's rank results."""
     from distributed import run_ranks
     out = tmp_path_factory.mktemp("two_ranks")
-    run_ranks(2, _every_layout, str(out))
-    return out
+    return out, run_ranks(2, _two_rank_runs, str(out), timeout=480)
 
 
 @pytest.mark.parametrize("layout", RANK_LAYOUTS)
 def test_async_save_and_resume_on_two_ranks_match_the_sync_run(two_rank_runs, tmp_path, layout):
     """Gloo ranks: DCP's background collectives run beside training's, and each rank's own random
     streams come back, so the resumed async run repeats the sync run bit for bit."""
-    sync, async_ = two_rank_runs / layout / "sync", two_rank_runs / layout / "async"
+    sync, async_ = two_rank_runs[0] / layout / "sync", two_rank_runs[0] / layout / "async"
     for step in ("step_00000002", "step_00000004"):
         assert verify(async_ / "checkpoints" / step) == []
         assert_same_state(stored(sync / "checkpoints" / step, tmp_path), stored(async_ / "checkpoints" / step, tmp_path))
@@ -350,3 +382,97 @@ def test_a_step_folder_carries_the_resolved_config(straight, tmp_path):
     step_dir, model_cfg, _ = locate_checkpoint(alone)
     assert step_dir == alone and model_cfg.num_layers == saved.model.num_layers
     assert model_cfg.hidden_size == saved.model.hidden_size
+
+
+def test_sigterm_on_one_rank_stops_every_rank_at_the_same_saved_step(two_rank_runs):
+    """Only rank 1 is signalled; the trainer's agreement (an all-reduce of the flag) makes rank 0
+    stop after the same step, both save it, and both return as from a finished run."""
+    out, results = two_rank_runs
+    assert results == [{"last_step": 3, "stopped_on_signal": True}] * 2
+    run_dir = out / "sigterm"
+    step = run_dir / "checkpoints" / "step_00000003"  # not an interval step: saved for the signal
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == step.name
+    assert verify(step) == [] and (step / MANIFEST).exists()
+    assert max(losses(run_dir)) == 3
+
+
+# -- SIGKILL of a whole multi-rank job -----------------------------------------------------------
+
+# Put on PYTHONPATH for the killed job: every process of it (the launcher and the ranks it spawns,
+# which run no code of the parent's command line) patches the trainer to stop as step FREEZE_AT + 1
+# starts, after step FREEZE_AT is logged, and says so with a file per rank.
+FREEZE_HOOK = """
+import os
+if os.environ.get("MEGALM_TEST_FREEZE_AT"):
+    import pathlib, time
+    from megalm.training.trainer import Trainer
+    _train_step = Trainer.train_step
+    def _frozen(self):
+        if self.step == int(os.environ["MEGALM_TEST_FREEZE_AT"]):
+            pathlib.Path(os.environ["MEGALM_TEST_FLAGS"], "rank" + os.environ.get("RANK", "0")).touch()
+            time.sleep(600)
+        return _train_step(self)
+    Trainer.train_step = _frozen
+"""
+
+
+def kill_job_when_frozen(cmd, run_dir: Path, tmp_path: Path, world: int) -> None:
+    """Run `cmd` (it spawns `world` ranks) until every rank is frozen, then SIGKILL the whole job."""
+    hook, flags = tmp_path / "hook", tmp_path / "flags"
+    hook.mkdir()
+    flags.mkdir()
+    (hook / "sitecustomize.py").write_text(FREEZE_HOOK)
+    env = {**os.environ, "MEGALM_TEST_FREEZE_AT": "3", "MEGALM_TEST_FLAGS": str(flags),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")]))}
+    with open(tmp_path / "killed.log", "w") as log_file:
+        proc = subprocess.Popen(cmd, cwd=run_dir.parent, env=env, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # its own process group: the launcher and its ranks
+    try:
+        deadline = time.monotonic() + 600  # generous: start-up of 3 processes on a loaded machine
+        while len(list(flags.iterdir())) < world:
+            assert proc.poll() is None and time.monotonic() < deadline, \
+                f"the job never froze:\n{(tmp_path / 'killed.log').read_text()[-3000:]}"
+            time.sleep(0.1)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=120)
+    deadline = time.monotonic() + 120
+    while live_members(proc.pid):  # the ranks too, before anything reads the run directory
+        assert time.monotonic() < deadline, f"processes of the killed job still run: {live_members(proc.pid)}"
+        time.sleep(0.1)
+
+
+def live_members(pgid: int):
+    """Pids of the process group's processes that still run (zombies left to an init that may not reap don't)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, ...
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+@pytest.mark.parametrize("layout", RANK_LAYOUTS)
+def test_sigkill_of_a_two_rank_job_resumes_with_bitwise_identical_losses(two_rank_runs, tmp_path, layout):
+    """kill -9 of the launcher and both ranks after step 2's checkpoint and step 3's log; starting
+    again in the run directory repeats steps 3-4 of the uninterrupted run exactly: each rank's RNG
+    streams (tp2: dropout in tp-sharded and replicated regions; pp2: each stage's own layers), data
+    position and optimizer state come back. The reference is the same config run by run_ranks; the
+    killed job's first steps check that the CLI's ranks compute the same."""
+    reference = losses(two_rank_runs[0] / layout / "sync")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cmd = [sys.executable, "-m", "megalm.train", *COMMON, "trainer.max_steps=4", *RANK_LAYOUTS[layout],
+           f"hydra.run.dir={run_dir}"]
+    kill_job_when_frozen(cmd, run_dir, tmp_path, world=2)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000002"
+    assert losses(run_dir) == {s: reference[s] for s in (1, 2, 3)}  # killed in step 4
+    restart = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert restart.returncode == 0, restart.stderr[-3000:]
+    assert "resuming at step 2" in (run_dir / "train.log").read_text()
+    resumed = losses(run_dir)
+    assert {s: resumed[s] for s in (3, 4)} == {s: reference[s] for s in (3, 4)}  # ==, not approx
+    assert resumed == reference
