@@ -1,6 +1,7 @@
 """Optimizer groups, LR schedules, clipping, gradient accumulation, sampling."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -108,3 +109,37 @@ def test_kv_cached_generation_equals_uncached(tiny_model_cfg):
     plain = list(generate_ids(model, prompt, use_cache=False, **kw))
     assert cached == plain and len(cached) == 10
     assert all(t < cfg.vocab_size for t in cached)  # padded vocabulary rows are never sampled
+
+
+def test_mfu_peak_follows_the_precision(monkeypatch, tmp_path):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+    import megalm.training.metrics as metrics
+    from megalm.config import conf_dir, register_configs
+    from megalm.errors import ConfigError
+    from megalm.validation import validate
+    register_configs()
+
+    def cfg(*overrides):
+        with initialize_config_dir(conf_dir(), version_base="1.3"):
+            return OmegaConf.to_object(compose("config", overrides=["model=gpt_tiny", "data=mock", *overrides]))
+
+    cpu = torch.device("cpu")
+    a100 = cfg("cluster=slurm_a100").cluster  # NVIDIA's dense figures: fp32 (no TF32) 19.5 T, bf16 312 T
+    assert metrics.peak_flops_for(a100, "fp32", cpu) == 19.5e12 and metrics.peak_flops_for(a100, "bf16", cpu) == 312e12
+    assert metrics.peak_flops_for(cfg("cluster=slurm_a100", "cluster.peak_flops=1e15").cluster, "bf16", cpu) == 1e15
+    measured = []
+    monkeypatch.setattr(metrics, "measure_matmul_peak", lambda device, dtype: measured.append(dtype) or 2e12)
+    local = cfg().cluster
+    assert metrics.peak_flops_for(local, "bf16", cpu) == 2e12 and metrics.peak_flops_for(local, "fp32", cpu) == 2e12
+    assert measured == [torch.bfloat16, torch.float32]  # measured in the run's precision
+    from megalm.train import run
+    run_cfg = cfg("trainer.precision=bf16", "trainer.max_steps=1", "trainer.eval_steps=0", "trainer.num_threads=1",
+                  "trainer.micro_batch_size=4", "trainer.global_batch_size=4", "trainer.progress_bar=false")
+    validate(run_cfg, 1)
+    run(run_cfg, tmp_path)
+    assert measured[-1] is torch.bfloat16
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in line][0]
+    assert rec["mfu"] == pytest.approx(rec["tflops_per_device"] * 1e12 / 2e12)
+    with pytest.raises(ConfigError, match="cluster.peak_flops_per_dtype.fp64=1.0: keys are fp32, bf16, fp16, fp8"):
+        validate(cfg("+cluster.peak_flops_per_dtype.fp64=1.0"), 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -257,7 +257,10 @@ class ClusterConfig:
     backend: str = "auto"
     """auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
     peak_flops: Optional[float] = None
-    """Peak dense FLOP/s of one device at the training precision, for MFU; None = measure a matmul."""
+    """Peak dense FLOP/s of one device for MFU, whatever the precision; None = peak_flops_per_dtype."""
+    peak_flops_per_dtype: Dict[str, float] = field(default_factory=dict)
+    """Peak dense FLOP/s of one device per trainer.precision (fp32, bf16, fp16, fp8); a precision missing
+    here (and no peak_flops) is measured: a matmul in that precision at start-up."""
     max_restarts: int = 0
     """Restarts the elastic launcher allows after a rank fails."""
 

@@ -64,7 +64,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.models import build_model, flops_per_token, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
-    from megalm.training.metrics import MetricLogger, Throughput, measure_matmul_peak
+    from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
     from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.resume import nothing_left, plan_start
     from megalm.training.trainer import Trainer
@@ -113,7 +113,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.parallel.data import build_data_parallel
     data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
-    peak = cfg.cluster.peak_flops or measure_matmul_peak(device)
+    peak = peak_flops_for(cfg.cluster, t.precision, device)
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
         checkpointer=checkpointer, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,

@@ -159,6 +159,12 @@ def validate(cfg: Config, world_size: int) -> None:
         from megalm.data.loader import blend_spec
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
     _validate_vocab(cfg)
+    for precision, peak in cfg.cluster.peak_flops_per_dtype.items():
+        if precision not in CHOICES["trainer.precision"] or not peak > 0:
+            raise ConfigError(f"cluster.peak_flops_per_dtype.{precision}={peak}: keys are "
+                              f"{', '.join(CHOICES['trainer.precision'])}, values positive FLOP/s")
+    if cfg.cluster.peak_flops is not None and not cfg.cluster.peak_flops > 0:
+        raise ConfigError(f"cluster.peak_flops={cfg.cluster.peak_flops} must be positive (or null)")
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)

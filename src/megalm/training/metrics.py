@@ -135,6 +135,19 @@ class Throughput:
         return out
 
 
+MATMUL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def peak_flops_for(cluster, precision: str, device: torch.device) -> float:
+    """The MFU denominator of a run in `precision`: cluster.peak_flops, else the profile's peak for that
+    precision, else a matmul measured in it (an fp32 peak under a bf16 run would inflate MFU ~2-15x)."""
+    if cluster.peak_flops:
+        return float(cluster.peak_flops)
+    if precision in cluster.peak_flops_per_dtype:
+        return float(cluster.peak_flops_per_dtype[precision])
+    return measure_matmul_peak(device, MATMUL_DTYPES.get(precision, torch.float32))
+
+
 def measure_matmul_peak(device: torch.device, dtype=torch.float32, n: int = 1024, seconds: float = 0.3) -> float:
     """Achievable dense matmul FLOP/s on this device: the MFU denominator when no peak is configured."""
     a = torch.randn(n, n, device=device, dtype=dtype)
