@@ -6,10 +6,12 @@ here rewrites what the user wrote.
 
 from __future__ import annotations
 
-from typing import Any, List
+from typing import Any
 
 from megalm.config import Config, ModelConfig, ParallelConfig
+from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError
+from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
 CHOICES = {
@@ -156,7 +158,6 @@ def validate(cfg: Config, world_size: int) -> None:
         if not cfg.data.paths and not cfg.data.blend:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
                               "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
-        from megalm.data.loader import blend_spec
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
     _validate_vocab(cfg)
     for precision, peak in cfg.cluster.peak_flops_per_dtype.items():
@@ -183,7 +184,6 @@ def _validate_vocab(cfg: Config) -> None:
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_batch: int) -> None:
-    from megalm.parallel.pipeline import MULTI_STAGE, stage_layer_ranges
     schedule, v = p.pipeline_schedule, p.virtual_pipeline_size
     if schedule in ("gpipe", "1f1b") and v != 1:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} runs one stage per rank; "
@@ -202,18 +202,6 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_
     if micro and schedule in MULTI_STAGE and micro % p.pp:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
                           f"to be a multiple of parallel.pp={p.pp}")
-
-
-def split_weights(split: str) -> List[float]:
-    try:
-        weights = [float(w) for w in split.replace("/", ",").split(",")]
-    except ValueError:
-        raise ConfigError(f"data.split={split!r} must be comma-separated numbers, e.g. '98,2,0'") from None
-    if len(weights) > 3 or any(w < 0 for w in weights) or len(weights) < 2 or weights[0] <= 0 or weights[1] <= 0:
-        raise ConfigError(
-            f"data.split={split!r} needs 2 or 3 non-negative weights (train, validation[, test]) "
-            "with positive train and validation parts")
-    return weights
 
 
 def parallel_dims(p: ParallelConfig, world_size: int):

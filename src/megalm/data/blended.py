@@ -20,7 +20,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from numbers import Real
 from pathlib import Path
 from typing import Any, List, Optional, Sequence, Tuple, Union
 
@@ -35,64 +34,6 @@ BLEND_VERSION = "blend-v1"
 SIZE_MARGIN = 1.005
 """Megatron's: each dataset builds ceil(weight * N * 1.005) samples for a blend of N."""
 _CHUNK = 2048  # time steps per chunk of the parallel-in-time build
-
-
-def _as_weight(value: Any, where: str) -> float:
-    if isinstance(value, bool):
-        raise DataError(f"{where}: weight {value!r} is not a number")
-    if isinstance(value, Real):
-        w = float(value)
-    else:
-        try:
-            w = float(str(value))
-        except ValueError:
-            raise DataError(f"{where}: weight {value!r} is not a number") from None
-    if not math.isfinite(w):
-        raise DataError(f"{where}: weight {value!r} is not finite")
-    return w
-
-
-def parse_blend(spec: Sequence[Any], what: str = "data.blend") -> List[Tuple[float, str]]:
-    """[(weight, prefix), ...] from [[w, prefix], ...] or Megatron's flat [w, prefix, w, prefix, ...].
-
-    Weights may be numbers or numeric strings; a lone [prefix] means weight 1. Raises ValueError
-    on negative weights, all-zero weights, or a malformed list, naming the entries.
-    """
-    items = list(spec)
-    if not items:
-        raise DataError(f"{what} is empty")
-    pairs: List[Tuple[float, str]] = []
-    if all(isinstance(x, (list, tuple)) or _is_sequence_node(x) for x in items):
-        for k, pair in enumerate(items):
-            pair = list(pair)
-            if len(pair) != 2:
-                raise DataError(f"{what}[{k}]={pair!r} must be [weight, prefix]")
-            pairs.append((_as_weight(pair[0], f"{what}[{k}]"), str(pair[1])))
-    elif len(items) == 1:
-        pairs.append((1.0, str(items[0])))
-    else:
-        if len(items) % 2:
-            raise DataError(f"{what}={items!r}: the flat form alternates weight and prefix, but it has "
-                            f"{len(items)} entries")
-        for k in range(0, len(items), 2):
-            pairs.append((_as_weight(items[k], f"{what}[{k}]"), str(items[k + 1])))
-    for k, (w, prefix) in enumerate(pairs):
-        if w < 0:
-            raise DataError(f"{what}: weight {w} of {prefix} is negative; weights must be >= 0")
-        if not prefix or prefix == "None":
-            raise DataError(f"{what}: entry {k} has no dataset prefix")
-    if sum(w for w, _ in pairs) <= 0:
-        raise DataError(f"{what}: all weights are zero ({', '.join(f'{w} {p}' for w, p in pairs)}); "
-                        "at least one must be positive")
-    return pairs
-
-
-def _is_sequence_node(x: Any) -> bool:
-    try:
-        from omegaconf import ListConfig
-        return isinstance(x, ListConfig)
-    except ImportError:  # pragma: no cover
-        return False
 
 
 def normalize_weights(weights: Sequence[float]) -> np.ndarray:

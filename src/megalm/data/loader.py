@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from megalm.config import DataConfig
-from megalm.validation import split_weights
-from megalm.data.blended import BlendedDataset, parse_blend, per_dataset_samples
+from megalm.data.blended import BlendedDataset, per_dataset_samples
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
+from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from megalm.errors import DataError
 
@@ -83,25 +83,6 @@ def split_documents(num_documents: int, split: str) -> List[range]:
     excess = bounds[-1] - num_documents
     bounds[1:] = [b - excess for b in bounds[1:]]
     return [range(max(0, bounds[k]), max(0, bounds[k + 1])) for k in range(3)]
-
-
-def blend_spec(cfg: DataConfig) -> List[Tuple[float, str]]:
-    """(weight, prefix) pairs of a source=indexed config, from data.blend or data.paths."""
-    blend, paths = list(cfg.blend or []), list(cfg.paths or [])
-    if blend and paths:
-        raise DataError(f"set data.paths (one prefix) or data.blend (weighted prefixes), not both "
-                        f"(got paths={paths}, blend={blend})")
-    if blend:
-        return parse_blend(blend, "data.blend")
-    if len(paths) == 1:
-        return [(1.0, str(paths[0]))]
-    if len(paths) > 1:
-        try:
-            return parse_blend(paths, "data.paths")  # Megatron's --data-path "w1 p1 w2 p2"
-        except ValueError as e:
-            raise DataError(f"data.paths takes one prefix, or Megatron's flat [weight, prefix, ...]; for "
-                            f"blending several datasets use data.blend=[[w, prefix], ...] ({e})") from None
-    raise DataError("data.source=indexed needs data.paths=[prefix] or data.blend=[[weight, prefix], ...]")
 
 
 def _requested(num_samples: Optional[Mapping[str, Optional[int]]]) -> Dict[str, Optional[int]]:

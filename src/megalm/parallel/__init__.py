@@ -34,7 +34,8 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> n
     pp, tp = mesh["pp"], mesh["tp"]
     if pp.size() > 1:
         # 1. Pipeline split first, so the tensor-parallel plan only touches what this rank keeps.
-        from megalm.parallel.pipeline import embedding_group, keep_stage_parts, stage_layer_ranges, virtual_stages_of
+        from megalm.parallel.pipeline import embedding_group, keep_stage_parts
+        from megalm.parallel.stages import stage_layer_ranges, virtual_stages_of
         num_stages = pp.size() * (2 if cfg.pipeline_schedule == "zbv" else cfg.virtual_pipeline_size)
         ranges = stage_layer_ranges(model.cfg.num_layers, num_stages, cfg.layers_per_stage)
         stage_ids = virtual_stages_of(pp.get_local_rank(), pp.size(), cfg.virtual_pipeline_size,
