@@ -1,7 +1,9 @@
-"""Where the ranks come from: this process alone, or torchrun / SLURM that started us.
+"""Where the ranks come from (this process alone, the local launcher, torchrun / SLURM) and the
+lifecycle of each: join the process group, agree on the run directory, run the job, leave.
 
 `plan_world` decides the world size *before anything is allocated*, so a layout that cannot
-run here fails at once with the numbers and the way to launch it on a cluster.
+run here fails at once with the numbers and the way to launch it on a cluster. `as_rank` is the
+one lifecycle every started rank goes through; the job itself is megalm.training.job.run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import List, Optional
 import torch
 
 from megalm.config import Config
-from megalm.errors import ConfigError, MegalmError, full_errors
+from megalm.errors import ConfigError, DeviceError, MegalmError, full_errors
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,30 @@ def _write_report(rank: int, **fields) -> None:
     tmp.replace(path)
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
+    return torch.device(name)
+
+
+def setup_rank_logging(rank: int, run_dir: Path) -> None:
+    """Spawned ranks do not run Hydra: rank 0 logs to the console and train.log, others warnings only."""
+    fmt = logging.Formatter(f"[%(asctime)s][%(name)s][%(levelname)s][rank {rank}] - %(message)s")
+    root = logging.getLogger()
+    root.handlers.clear()
+    console = logging.StreamHandler(sys.stdout)
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        file = logging.FileHandler(run_dir / "train.log")
+        file.setFormatter(fmt)
+        root.addHandler(file)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
 def init_distributed(cfg: Config, device_type: str) -> None:
     """Join the process group the launcher (elastic agent, torchrun or srun) describes in the environment."""
     import torch.distributed as dist
@@ -231,17 +257,32 @@ def rank_main(cfg: Config, run_dir: str):
     return record(_rank_main)(cfg, run_dir)
 
 
-def _rank_main(cfg: Config, run_dir: str):
+def as_rank(cfg: Config, run_dir: Path, world: int, spawned: bool) -> Optional[float]:
+    """One rank's lifecycle: join the process group, agree on the run directory, train, leave.
+
+    `spawned`: started by spawn_local, which handed every rank the same run directory and set
+    up its logging; otherwise (torchrun, srun) the ranks take rank 0's directory, since they may
+    have composed the config seconds apart, and only rank 0 keeps Hydra's info logging."""
     import torch.distributed as dist
-    from megalm.train import resolve_device, run, setup_rank_logging
+    from megalm.training.job import run
+    init_distributed(cfg, resolve_device(cfg.trainer.device).type)
+    try:
+        if not spawned:
+            shared = [str(run_dir)]
+            dist.broadcast_object_list(shared, src=0)
+            run_dir = Path(shared[0])
+            if dist.get_rank() != 0:
+                logging.getLogger().setLevel(logging.WARNING)
+        return run(cfg, run_dir, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank_main(cfg: Config, run_dir: str):
     rank = int(os.environ["RANK"])
     setup_rank_logging(rank, Path(run_dir))
     try:
-        init_distributed(cfg, resolve_device(cfg.trainer.device).type)
-        try:
-            result = run(cfg, Path(run_dir), int(os.environ["WORLD_SIZE"]))
-        finally:
-            dist.destroy_process_group()
+        result = as_rank(cfg, Path(run_dir), int(os.environ["WORLD_SIZE"]), spawned=True)
     except MegalmError as e:
         _write_report(rank, status="megalm", kind=e.kind, message=str(e))
         if full_errors() or not os.environ.get(REPORT_DIR_ENV):

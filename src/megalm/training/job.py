@@ -1,0 +1,101 @@
+"""One rank's training job: from a validated Config to a finished fit.
+
+`run` is what every rank executes, whoever started it (this process, the local launcher's
+spawned ranks, torchrun or srun; megalm.launch owns the rank's lifecycle around it).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from megalm.config import Config
+from megalm.errors import DataError
+
+log = logging.getLogger("megalm.train")
+
+
+def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
+    """Train on this rank; return the final validation loss (None when evaluation is off).
+
+    Order: what the config and file headers can refuse (the tokenizer against the model, the
+    checkpoint to resume against tokenizer and model) comes before the corpus is tokenized or the
+    model built, and the run directory changes only once the start is accepted.
+    """
+    from megalm.data import build_data, build_data_tokenizer, num_samples_for
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, flops_per_token, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.training.checkpoint import Checkpointer
+    from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
+    from megalm.training.optim import LRSchedule, build_optimizer
+    from megalm.training.resume import nothing_left, plan_start
+    from megalm.training.trainer import Trainer
+
+    from megalm.launch import resolve_device
+    t = cfg.trainer
+    device = resolve_device(t.device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if device.type == "cpu":
+        torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+    torch.manual_seed(t.seed)  # the stream shared by every rank (dropout on replicated activations)
+
+    dims = ParallelDims.from_config(cfg.parallel, world_size)
+    mesh = build_mesh(dims, device.type)
+    tokenizer = build_data_tokenizer(cfg.data)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
+                        f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None,
+                                config_yaml)
+    start = plan_start(cfg, checkpointer, tokenizer, run_dir)
+    why = nothing_left(start, t.max_steps)
+    if why is not None:
+        if rank == 0:
+            log.warning("%s", why)
+        return start.state.get("val_loss")
+
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
+                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
+    model = build_model(cfg.model, device="meta", tp=dims.tp)
+    model = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    materialize(model, device)
+    init_weights(model, cfg.model, t.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters on this rank (%s, world %d: %s); run directory %s", cfg.model.name,
+             n_params / 1e6, device, world_size, dims, run_dir)
+
+    pipeline = None
+    if dims.pp > 1:
+        from megalm.parallel.pipeline import build_pipeline
+        plan = model.pp_plan
+        pipeline = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"],
+                                  mesh["pp"].get_group(), cfg.parallel,
+                                  t.global_batch_size // (t.micro_batch_size * dims.dp), device)
+    from megalm.parallel.data import build_data_parallel
+    data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
+    peak = peak_flops_for(cfg.cluster, t.precision, device)
+    trainer = Trainer(
+        t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
+        checkpointer=checkpointer, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,
+        throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
+        is_rank0=rank == 0)
+    if start.path is not None:
+        trainer.load(start.path, weights_only=start.weights_only)
+    # The start is accepted: only now does the run directory change.
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(config_yaml)  # the frozen, resolved config
+        data.tokenizer.save_to(run_dir)
+    trainer.metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
+                                   OmegaConf.to_container(OmegaConf.structured(cfg)), start_step=start.step)
+    return trainer.fit()
