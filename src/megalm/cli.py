@@ -11,22 +11,16 @@ Hydra's composition errors into ConfigErrors that list what is allowed, and prin
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, List, Optional
 
-from megalm.errors import ConfigError, cli_errors, full_errors
+from megalm.errors import ConfigError, cli_errors, did_you_mean, full_errors
 
 
 def _fields(schema: Any) -> List[str]:
     return [f.name for f in dataclasses.fields(schema)] if dataclasses.is_dataclass(schema) else []
-
-
-def _near(word: str, options: List[str]) -> str:
-    close = difflib.get_close_matches(word, options, n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def explain_hydra_error(e: BaseException) -> Optional[ConfigError]:
@@ -39,7 +33,7 @@ def explain_hydra_error(e: BaseException) -> Optional[ConfigError]:
         options = list(getattr(e, "options", None) or [])
         if "/" in missing and options:
             group, name = missing.rsplit("/", 1)
-            return ConfigError(f"{group}={name} is not a {group} preset{_near(name, options)}; "
+            return ConfigError(f"{group}={name} is not a {group} preset{did_you_mean(name, options)}; "
                                f"the {group} presets are: {', '.join(options)}")
         return ConfigError(str(e).split("\n")[0])
     if isinstance(e, OverrideParseException):
@@ -54,8 +48,7 @@ def explain_hydra_error(e: BaseException) -> Optional[ConfigError]:
         name = key.rsplit(".", 1)[-1]
         known = _fields(schema)
         where = f"{schema.__name__}" if isinstance(schema, type) else "this section"
-        parent = key[:-len(name)]
-        near = _near(name, known).replace("mean ", f"mean {parent}")
+        near = did_you_mean(name, known, prefix=key[:-len(name)])
         return ConfigError(f"unknown key {key}{near}; {where} has: {', '.join(known)}")
     if isinstance(cause, ValidationError) and key:
         reason = str(cause).split("\n")[0]

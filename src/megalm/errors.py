@@ -13,9 +13,10 @@ value, FileNotFoundError for a missing file), so library code may catch either.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import os
 import sys
-from typing import Iterator
+from typing import Iterable, Iterator
 
 
 class MegalmError(Exception):
@@ -58,6 +59,12 @@ class DeviceError(MegalmError, RuntimeError):
     """A device that was asked for and is not there."""
 
     kind = "device"
+
+
+def did_you_mean(word: str, options: Iterable[str], prefix: str = "") -> str:
+    """` (did you mean <prefix><closest>?)` for a message, or "" when nothing is close."""
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1)
+    return f" (did you mean {prefix}{close[0]}?)" if close else ""
 
 
 def full_errors() -> bool:

@@ -10,7 +10,7 @@ from typing import Any
 
 from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
-from megalm.errors import ConfigError
+from megalm.errors import ConfigError, did_you_mean
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
@@ -34,12 +34,6 @@ CHOICES = {
 }
 
 
-def _near(value: str, allowed) -> str:
-    import difflib
-    close = difflib.get_close_matches(value, list(allowed), n=1)
-    return f" (did you mean {close[0]}?)" if close else ""
-
-
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         cfg = getattr(cfg, part)
@@ -51,7 +45,7 @@ def validate(cfg: Config, world_size: int) -> None:
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{_near(str(value), allowed)}")
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}")
     m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.trainer
 
     positive = {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import platform
@@ -83,6 +84,7 @@ def _order_key(rel: str) -> str:
     return hashlib.sha256(rel.encode("utf-8")).hexdigest()
 
 
+@functools.lru_cache(maxsize=8)  # the tokenizer and the data both list it; the stdlib does not change
 def stdlib_corpus(max_corpus_mb: float = 0.0, root: Optional[str] = None) -> StdlibCorpus:
     """The stdlib's *.py files in hash order, valid UTF-8 only, up to `max_corpus_mb` (0 = all).
 

@@ -36,7 +36,6 @@ import signal
 import sys
 import threading
 import time
-import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -45,10 +44,10 @@ import numpy as np
 
 from megalm.config import TokenizerConfig
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, merge_datasets
-from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance
+from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance, write_record
 from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megalm.data.workers import Workers
-from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError, cli_errors
+from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
 
 log = logging.getLogger("megalm.data.preprocess")
 PROG = "megalm.data.preprocess"
@@ -291,17 +290,6 @@ def output_prefix_for(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def _build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
-    try:
-        return build_tokenizer(cfg)
-    except MegalmError:
-        raise
-    except FileNotFoundError as e:
-        raise MissingFileError(str(e)) from None
-    except ValueError as e:
-        raise DataError(f"tokenizer {cfg.model or cfg.type}: {e}") from None
-
-
 def _open_writer(prefix: str, dtype) -> IndexedDatasetWriter:
     try:
         return IndexedDatasetWriter(prefix, dtype)
@@ -335,7 +323,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
     if workers < 1:
         raise ConfigError(f"--workers {workers} must be at least 1")
     tok_cfg = dataclasses.asdict(tokenizer)
-    main_tok = _build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
+    main_tok = build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
     dtype = best_dtype(main_tok.vocab_size)
     stats = PreprocessStats()
     stats.outputs = {k: output_prefix_for(output_prefix, k) for k in keys}
@@ -444,16 +432,11 @@ def merge(prefixes: Sequence[str], output_prefix: str) -> IndexedDataset:
             resolved.append(p)
     start = time.perf_counter()
     tokenizer, unrecorded = _merged_tokenizer(resolved)  # before writing: a refusal leaves nothing
-    try:
-        out = merge_datasets(resolved, output_prefix)
-    except FileNotFoundError as e:
-        raise MissingFileError(str(e)) from None
-    except ValueError as e:  # different dtypes, an input that is the output, a damaged .idx
-        raise DataError(str(e)) from None
+    out = merge_datasets(resolved, output_prefix)
     sidecar_path(output_prefix).unlink(missing_ok=True)
     if tokenizer is not None:
-        write_provenance(output_prefix, types.SimpleNamespace(**tokenizer), documents=out.num_documents,
-                         tokens=out.num_tokens, merged_from=resolved)
+        write_record(output_prefix, tokenizer, documents=out.num_documents, tokens=out.num_tokens,
+                     merged_from=resolved)
     elif len(unrecorded) < len(resolved):
         log.warning("merge: %s carry no tokenizer record, so %s gets none and training cannot check it",
                     ", ".join(unrecorded), output_prefix)

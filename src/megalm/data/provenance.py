@@ -41,8 +41,13 @@ def describe(record: Dict[str, Any]) -> str:
 
 def write_provenance(prefix: Union[str, os.PathLike], tokenizer, **facts: Any) -> Path:
     """Write <prefix>.megalm.json atomically (after the .bin/.idx are in place)."""
+    return write_record(prefix, tokenizer_record(tokenizer), **facts)
+
+
+def write_record(prefix: Union[str, os.PathLike], made_with: Dict[str, Any], **facts: Any) -> Path:
+    """write_provenance from a tokenizer record (as read_provenance gives it: a merge passes one on)."""
     path = sidecar_path(prefix)
-    record = {"format": FORMAT, "tokenizer": tokenizer_record(tokenizer), **facts}
+    record = {"format": FORMAT, "tokenizer": made_with, **facts}
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         json.dump(record, f, indent=1)

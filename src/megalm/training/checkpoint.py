@@ -285,11 +285,13 @@ class Checkpointer:
 
     # -- load ------------------------------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             data_parallel=None) -> Dict[str, Any]:
-        """Load model (and optimizer, RNG) state in place; return the trainer state saved with it."""
+             data_parallel=None, metadata=None) -> Dict[str, Any]:
+        """Load model (and optimizer, RNG) state in place; return the trainer state saved with it.
+        `metadata`: the step folder's state_dict_metadata when the caller has read it already."""
         path = resolve(path)
         self.verify(path)
-        metadata = read_metadata(path).state_dict_metadata  # once: shapes, rank streams, and the load
+        if metadata is None:  # once: shapes, rank streams, and the load
+            metadata = read_metadata(path).state_dict_metadata
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
         check_shapes(path, metadata, state["model"])
         if optimizer is not None:

@@ -90,7 +90,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0)
     if start.path is not None:
-        trainer.load(start.path, weights_only=start.weights_only)
+        trainer.load(start.path, weights_only=start.weights_only, metadata=start.metadata)
     # The start is accepted: only now does the run directory change.
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)

@@ -30,6 +30,8 @@ class Start:
     """checkpoint.finetune: the weights alone, from step 0."""
     state: Dict[str, Any] = field(default_factory=dict)
     """The checkpoint's trainer_state.json."""
+    metadata: Any = None
+    """Its DCP metadata, read once here for the shape check and handed on to the load."""
 
     @property
     def step(self) -> int:
@@ -52,7 +54,7 @@ def plan_start(cfg: Config, checkpointer, tokenizer, run_dir: Path) -> Start:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{start.path / STATE_FILE} is not readable ({e}); the step folder is incomplete")
     _check_tokenizer(start, tokenizer, run_dir if latest is not None else None)
-    _check_model(start.path, cfg)
+    start.metadata = _check_model(start.path, cfg)
     return start
 
 
@@ -70,14 +72,17 @@ def _check_tokenizer(start: Start, tokenizer, run_dir: Optional[Path]) -> None:
                           f"tokenizer is {describe(tokenizer_record(tokenizer))}; {hint}")
 
 
-def _check_model(path: Path, cfg: Config) -> None:
-    """The stored tensors against the global shapes of this model config, on the meta device."""
+def _check_model(path: Path, cfg: Config):
+    """The stored tensors against the global shapes of this model config, on the meta device;
+    returns the checkpoint's metadata (state_dict_metadata)."""
     from megalm.models import build_model
     from megalm.training.checkpoint_shapes import check_shapes
     from megalm.training.safe_load import read_metadata
     from megalm.training.sharded_state import model_entries
     model = build_model(cfg.model, device="meta")
-    check_shapes(path, read_metadata(path).state_dict_metadata, model_entries(model), gather=False)
+    metadata = read_metadata(path).state_dict_metadata
+    check_shapes(path, metadata, model_entries(model), gather=False)
+    return metadata
 
 
 def nothing_left(start: Start, max_steps: int) -> Optional[str]:

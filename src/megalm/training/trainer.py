@@ -72,8 +72,9 @@ class Trainer:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
 
-    def load(self, path, weights_only: bool = False) -> None:
-        saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer, self.data_parallel)
+    def load(self, path, weights_only: bool = False, metadata=None) -> None:
+        saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer, self.data_parallel,
+                                       metadata)
         if not weights_only:
             self.step = saved["step"]
             self.loader.consumed_samples = saved["consumed_samples"]
