@@ -11,11 +11,12 @@ from typing import Any
 from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError, did_you_mean
+from megalm.models.family import family_names
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
 CHOICES = {
-    "model.arch": ("gpt",),
+    "model.arch": family_names(),
     "model.position_embedding": ("learned", "rope"),
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),

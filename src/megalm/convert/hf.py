@@ -408,7 +408,7 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
                  force: bool = False, copy_tokenizer: bool = True) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) for a megalm checkpoint."""
     save_file = _safetensors().torch.save_file
-    from megalm.models import build_model
+    from megalm.models import build_model, family_of
     from megalm.training.checkpoint import STATE_FILE, load_model_weights
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
@@ -425,7 +425,7 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
         if name not in rules:
             raise RuntimeError(f"no {arch} rule for megalm parameter {name}")  # a bug in the tables
         rule = rules[name]
-        t = p.detach()[:cfg.vocab_size] if name in ("embed.tok.weight", "head.weight") else p.detach()
+        t = p.detach()[:cfg.vocab_size] if name in family_of(cfg.arch).vocab_params else p.detach()
         for hf_name, part in zip(rule.hf, rule.transform.split(t, cfg), strict=True):
             # A copy of its own: safetensors refuses tensors that share storage (split views).
             tensors[hf_name] = part.to(dtype=DTYPES[dtype], copy=True).contiguous()
@@ -545,7 +545,7 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
                    optimizer: str = "adamw", force: bool = False) -> Tuple[Path, ModelConfig]:
     """Write a megalm checkpoint dir (step_00000000 + latest, config.yaml, conf/model/NAME.yaml) for an HF folder."""
     from megalm.config import CheckpointConfig
-    from megalm.models import build_model
+    from megalm.models import build_model, family_of
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.optim import build_optimizer
     hf_dir = Path(hf_dir).expanduser()
@@ -583,7 +583,7 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
         t = rule.transform.join([weights.get(n).float() for n in rule.hf], cfg)
         used.update(rule.hf)
         want = tuple(p.shape)
-        if pname in ("embed.tok.weight", "head.weight"):  # real rows; the model's padding rows stay 0
+        if pname in family_of(cfg.arch).vocab_params:  # real rows; the model's padding rows stay 0
             want = (cfg.vocab_size,) + want[1:]
         if tuple(t.shape) != want:
             raise DataError(f"{hf_dir}: {' + '.join(rule.hf)} gives shape {tuple(t.shape)} for megalm's {pname}; "

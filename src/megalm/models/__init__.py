@@ -1,7 +1,41 @@
-"""Plain single-device model code; parallelism is applied from outside (megalm.parallel)."""
+"""Plain single-device model code; parallelism is applied from outside (megalm.parallel).
 
-from megalm.models.flops import flops_per_token, matmul_params
-from megalm.models.gpt import GPT, build_model, init_weights, lm_loss
+`build_model`, `init_weights` and `flops_per_token` dispatch on `model.arch` through the family
+registry (megalm.models.family), so callers never name a family's classes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.models.family import Family, family_of
+from megalm.models.flops import matmul_params
+from megalm.models.gpt import GPT, lm_loss
 from megalm.models.layers import KVCache
 
-__all__ = ["GPT", "KVCache", "build_model", "flops_per_token", "init_weights", "lm_loss", "matmul_params"]
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", tp: int = 1) -> nn.Module:
+    """The plain single-device model of cfg's family, its parameters allocated on `device` but
+    not yet initialised. Pass device="meta" for a model that takes no memory (for planning, and
+    for parallelize to shard before allocating)."""
+    family = family_of(cfg.arch)
+    with torch.device(device):
+        return family.build(cfg, tp)
+
+
+def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Initialise `model` (any layout's part of it) as its family does, from (seed, global name)."""
+    family_of(cfg.arch).init_weights(model, cfg, seed)
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float:
+    """Training model FLOPs per token of cfg's family (the one definition used for MFU)."""
+    return family_of(cfg.arch).flops_per_token(cfg, seq_length)
+
+
+__all__ = ["Family", "GPT", "KVCache", "build_model", "family_of", "flops_per_token", "init_weights", "lm_loss",
+           "matmul_params"]

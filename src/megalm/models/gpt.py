@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.models.family import Family
+from megalm.models.losses import IGNORE, LMLoss, lm_loss, masked_mean  # noqa: F401 (re-exported)
 from megalm.models.layers import Block, Embedding, KVCache, build_norm, output_init_std, rope_tables
 
 
@@ -66,46 +68,6 @@ class GPT(nn.Module):
         return self.loss(logits, labels, loss_mask)
 
 
-IGNORE = -100  # a label that takes no part in the loss (e.g. after an end-of-document token)
-
-
-class LMLoss(nn.Module):
-    """Mean next-token cross-entropy over the tokens the mask keeps, in fp32.
-
-    Logit columns past the real vocabulary are padding and excluded from the softmax, so the
-    loss does not depend on how far the embedding was padded. Tensor parallelism swaps this
-    module for the vocab-parallel version, which computes the same number from vocab shards.
-    """
-
-    def __init__(self, vocab_size: int, label_smoothing: float = 0.0):
-        super().__init__()
-        self.vocab_size, self.label_smoothing = vocab_size, label_smoothing
-
-    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        logits = logits.float()
-        if logits.shape[-1] > self.vocab_size:
-            logits = logits.masked_fill(
-                torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size, float("-inf"))
-        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none", ignore_index=IGNORE,
-                               label_smoothing=self.label_smoothing).view(labels.shape)
-
-    def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
-        return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
-
-
-def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-            vocab_size: Optional[int] = None) -> torch.Tensor:
-    """Functional form of LMLoss (vocab_size None = no padding)."""
-    return LMLoss(vocab_size or logits.shape[-1])(logits, labels, loss_mask)
-
-
 def _name_seed(seed: int, name: str) -> int:
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
@@ -145,11 +107,12 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             p.copy_(shard.local(full) if shard is not None else full)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", tp: int = 1) -> GPT:
-    """The plain single-device model, its parameters allocated on `device` but not yet initialised.
+def _flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float:
+    from megalm.models.flops import flops_per_token
+    return flops_per_token(cfg, seq_length)
 
-    Pass device="meta" to build a model that takes no memory (for planning and for parallelize
-    to shard before allocating).
-    """
-    with torch.device(device):
-        return GPT(cfg, tp)
+
+FAMILY = Family(
+    name="gpt", description="decoder-only GPT / Llama-style language model",
+    build=GPT, init_weights=init_weights, flops_per_token=_flops_per_token,
+    vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))

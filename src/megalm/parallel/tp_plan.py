@@ -21,7 +21,8 @@ from __future__ import annotations
 from torch import nn
 
 from megalm.distributed.comm import scatter_seq
-from megalm.models.gpt import GPT, IGNORE, masked_mean
+from megalm.models.gpt import GPT
+from megalm.models.losses import IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
 from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)

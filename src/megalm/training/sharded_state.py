@@ -24,13 +24,14 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from megalm.models.gpt import VOCAB_PARAMS
+from megalm.models.family import family_of
 from megalm.training.chunks import Chunked, place
 
 
 def _vocab_rows(model: nn.Module, name: str, p: nn.Parameter) -> Optional[int]:
     key = getattr(p, "tied_copy_of", None) or name
-    if key in VOCAB_PARAMS or name in VOCAB_PARAMS:
+    vocab = family_of(model.cfg.arch).vocab_params
+    if key in vocab or name in vocab:
         return model.cfg.vocab_size
     return None
 

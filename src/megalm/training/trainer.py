@@ -17,7 +17,7 @@ from megalm.data.provenance import tokenizer_record
 from megalm.errors import TrainingError
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
-from megalm.models.gpt import IGNORE
+from megalm.models.losses import IGNORE
 from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast

@@ -1,0 +1,49 @@
+"""Losses shared by the model families: masked means of per-token cross-entropy, in fp32."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+IGNORE = -100  # a label that takes no part in the loss (e.g. after an end-of-document token)
+
+
+class LMLoss(nn.Module):
+    """Mean next-token cross-entropy over the tokens the mask keeps, in fp32.
+
+    Logit columns past the real vocabulary are padding and excluded from the softmax, so the
+    loss does not depend on how far the embedding was padded. Tensor parallelism swaps this
+    module for the vocab-parallel version, which computes the same number from vocab shards.
+    """
+
+    def __init__(self, vocab_size: int, label_smoothing: float = 0.0):
+        super().__init__()
+        self.vocab_size, self.label_smoothing = vocab_size, label_smoothing
+
+    def per_token(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab_size:
+            logits = logits.masked_fill(
+                torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size, float("-inf"))
+        return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none", ignore_index=IGNORE,
+                               label_smoothing=self.label_smoothing).view(labels.shape)
+
+    def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
+        return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
+
+
+def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.float()
+    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
+            vocab_size: Optional[int] = None) -> torch.Tensor:
+    """Functional form of LMLoss (vocab_size None = no padding)."""
+    return LMLoss(vocab_size or logits.shape[-1])(logits, labels, loss_mask)
