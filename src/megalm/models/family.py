@@ -1,8 +1,8 @@
 """The model-family registry: `model.arch` -> what a family declares about its models.
 
 A family is a module under megalm.models that defines `FAMILY`, a Family. The registry names
-the module and imports it on first use, so code that only checks a config (megalm.validation)
-needs neither torch nor the model code. Code outside a family's own files reaches its models
+the module and imports it on first use, so the list of families is known without importing
+every model. Code outside a family's own files reaches its models
 through `family_of(arch)`: how to build and initialise one, which parameters hold vocabulary
 rows, which are tied, and its FLOPs per token.
 """
