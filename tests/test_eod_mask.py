@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import build_data, eod_loss_mask
 from megalm.models import build_model, init_weights
-from megalm.models.gpt import IGNORE
+from megalm.models.losses import IGNORE
 from megalm.training.trainer import Trainer
 
 from test_parallel_model import load

@@ -34,7 +34,7 @@ def _toy_init(model, cfg, seed):
 @pytest.fixture
 def toy_family(monkeypatch):
     module = types.ModuleType("toy_family")
-    module.FAMILY = Family(name="toy", description="a test family", build=Toy, init_weights=_toy_init,
+    module.FAMILY = Family(name="toy", build=Toy, init_weights=_toy_init,
                            flops_per_token=lambda cfg, seq=None: 123.0, vocab_params=("vocab",))
     monkeypatch.setitem(sys.modules, "toy_family", module)
     monkeypatch.setitem(FAMILY_MODULES, "toy", "toy_family")

@@ -123,7 +123,7 @@ def test_flops_gpt3_175b_matches_paper_scale():
 
 
 def test_ignored_labels_take_no_part_in_the_loss(tiny_model_cfg):
-    from megalm.models.gpt import IGNORE
+    from megalm.models.losses import IGNORE
     m = make(tiny_model_cfg)
     x = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
     y = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))

@@ -14,7 +14,8 @@ from torch import nn
 from megalm.config import ModelConfig
 from megalm.models.family import Family, family_of
 from megalm.models.flops import matmul_params
-from megalm.models.gpt import GPT, lm_loss
+from megalm.models.gpt import GPT
+from megalm.models.losses import lm_loss
 from megalm.models.layers import KVCache
 
 

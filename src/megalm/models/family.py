@@ -25,8 +25,6 @@ FAMILY_MODULES: Dict[str, str] = {
 class Family:
     name: str
     """The model.arch value that selects it."""
-    description: str
-    """One line, for listings and errors."""
     build: Callable[..., Any]
     """(ModelConfig, tp) -> the plain model on the current default device, not initialised."""
     init_weights: Callable[..., None]

@@ -11,12 +11,12 @@ import hashlib
 from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
 from megalm.models.family import Family
-from megalm.models.losses import IGNORE, LMLoss, lm_loss, masked_mean  # noqa: F401 (re-exported)
+from megalm.models.flops import flops_per_token
+from megalm.models.losses import LMLoss
 from megalm.models.layers import Block, Embedding, KVCache, build_norm, output_init_std, rope_tables
 
 
@@ -107,12 +107,6 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
             p.copy_(shard.local(full) if shard is not None else full)
 
 
-def _flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float:
-    from megalm.models.flops import flops_per_token
-    return flops_per_token(cfg, seq_length)
-
-
 FAMILY = Family(
-    name="gpt", description="decoder-only GPT / Llama-style language model",
-    build=GPT, init_weights=init_weights, flops_per_token=_flops_per_token,
+    name="gpt", build=GPT, init_weights=init_weights, flops_per_token=flops_per_token,
     vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))
