@@ -113,21 +113,21 @@ def build_layout(args, schedule, world):
                              f"trainer.global_batch_size={args.micro_batch * max(args.m)}"])
     validate(cfg, world)
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    plan = model.pp_plan
     pipes = {}
     for m in args.m:
-        pipe = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"], mesh["pp"].get_group(),
-                              cfg.parallel, m, "cpu")
+        pipe = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel, m, "cpu")
         sends, clock = Counter(), [0.0]
         for stage in pipe.stages:
             count_sends(stage, sends)
         time_compute(pipe, clock)
         pipes[m] = {"pipe": pipe, "sends": sends, "clock": clock, "steps": 0}
-    stages = [{"stage": s, "layers": [plan["ranges"][s].start, plan["ranges"][s].stop],
-               "first": s == 0, "last": s == plan["num_stages"] - 1} for s in plan["stage_ids"]]
-    return {"cfg": cfg, "mesh": mesh, "model": model, "opt": build_optimizer(cfg.optimizer, model), "pipes": pipes,
+    stages = [{"stage": s, "layers": [layout.stage_ranges[s].start, layout.stage_ranges[s].stop],
+               "first": s == 0, "last": s == layout.num_stages - 1} for s in layout.stage_ids]
+    return {"cfg": cfg, "mesh": mesh, "model": model, "layout": layout, "opt": build_optimizer(cfg.optimizer, model), "pipes": pipes,
             "stages": stages, "owner": pipes[args.m[0]]["pipe"].owner,
             "params": sum(p.numel() for p in model.parameters())}
 
@@ -138,9 +138,9 @@ def pipeline_step(lay, m, tokens, labels):
     entry = lay["pipes"][m]
     dist.barrier()
     t0 = time.perf_counter()
-    entry["pipe"].step(tokens, labels)
+    entry["pipe"].step({"tokens": tokens, "labels": labels})
     t1 = time.perf_counter()
-    finalize_grads(lay["model"], lay["mesh"])
+    finalize_grads(lay["model"], lay["mesh"], lay["layout"])
     clip_grads(list(lay["model"].parameters()), lay["cfg"].trainer.grad_clip, None, lay["mesh"]["pp"].get_group())
     lay["opt"].step()
     lay["opt"].zero_grad(set_to_none=True)
@@ -157,15 +157,15 @@ def busy_pass(lay, m, tokens, labels, gen):
     for stage in lay["pipes"][m]["pipe"].stages:
         view = stage.submod
         for i in range(m):
-            x = tokens[i * mb:(i + 1) * mb] if view.first else torch.randn(act_shape, generator=gen).requires_grad_()
-            grad = None if view.last else torch.randn(act_shape, generator=gen)
+            x = tokens[i * mb:(i + 1) * mb] if view.part.first else torch.randn(act_shape, generator=gen).requires_grad_()
+            grad = None if view.part.last else torch.randn(act_shape, generator=gen)
             work.append((view, x, labels[i * mb:(i + 1) * mb], grad))
     dist.barrier()
     t0 = time.perf_counter()
     for view, x, y, grad in work:
         out = view(x)
-        if view.last:
-            (model.loss(out, y) / m).backward()
+        if view.part.last:
+            (model.loss(out, {"labels": y}) / m).backward()
         else:
             out.backward(grad)
     dt = time.perf_counter() - t0

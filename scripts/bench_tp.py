@@ -27,18 +27,20 @@ def build(cfg, mesh):
     from megalm.models import build_model, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.optim import build_optimizer
-    model = materialize(parallelize(build_model(cfg.model, "meta", tp=cfg.parallel.tp), mesh, cfg.parallel), "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    return model, build_optimizer(cfg.optimizer, model)
+    return model, layout, build_optimizer(cfg.optimizer, model)
 
 
-def train_steps(model, opt, batch, steps, mesh=None):
+def train_steps(model, layout, opt, batch, steps, mesh=None):
     from megalm.parallel.grads import clip_grads, finalize_grads
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     t0 = time.perf_counter()
     for _ in range(steps):
         model(batch[:, :-1], batch[:, 1:]).backward()
-        finalize_grads(model, mesh)
+        finalize_grads(model, mesh, layout)
         clip_grads(list(model.parameters()), 1.0, tp_group)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -64,7 +66,7 @@ def worker(rank, world, store_path, args, queue):
     batch = torch.randint(0, m.vocab_size, (args.micro_batch, m.seq_length + 1), generator=g)
     tokens = args.micro_batch * m.seq_length * args.steps
     single = build(single_cfg, None) if rank == 0 else None
-    tp_model, tp_opt = build(tp_cfg, mesh)
+    tp_model, tp_layout, tp_opt = build(tp_cfg, mesh)
     cores = os.cpu_count() or 1
     rates = {"single": [], "tp": []}
     comm_share, comm_bytes = [], None
@@ -78,7 +80,7 @@ def worker(rank, world, store_path, args, queue):
         dist.barrier()
         torch.set_num_threads(max(1, cores // world))
         with count_comm() as stats:
-            dt = train_steps(tp_model, tp_opt, batch, args.steps, mesh)
+            dt = train_steps(tp_model, tp_layout, tp_opt, batch, args.steps, mesh)
         if r:
             rates["tp"].append(tokens / dt)
             comm_share.append(stats.seconds / dt)

@@ -43,9 +43,11 @@ def build(cfg, mesh):
     from megalm.parallel import materialize, parallelize
     from megalm.parallel.data import build_data_parallel
     from megalm.training.optim import build_optimizer
-    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    dp = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     return model, dp, build_optimizer(cfg.optimizer, model, dp)
 
 

@@ -7,7 +7,6 @@ eod predicts the first token of an unrelated document, so that prediction is not
 
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +17,6 @@ from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import build_data, eod_loss_mask
 from megalm.models import build_model, init_weights
 from megalm.models.losses import IGNORE
-from megalm.training.trainer import Trainer
 
 from test_parallel_model import load
 
@@ -46,22 +44,25 @@ def test_mask_is_zero_exactly_where_the_input_is_eod():
     assert as_numpy.dtype == np.float32 and np.array_equal(as_numpy, _hand_mask().numpy())
 
 
-def test_data_bundle_and_trainer_ignore_the_labels_after_each_eod():
+def test_data_bundle_batches_ignore_the_labels_after_each_eod():
     cfg = DataConfig(name="mock", source="mock", tokenizer=TokenizerConfig(type="null", vocab_size=100),
                      eod_mask_loss=True)
     bundle = build_data(cfg, seq_length=16, seed=0)
     assert bundle.tokenizer.eod == EOD
     torch.testing.assert_close(bundle.loss_mask(BATCH), _hand_mask(), rtol=0, atol=0)
-    # The trainer's (inputs, labels): labels IGNORE'd at the masked positions, nowhere else.
-    x, y = Trainer._with_mask(SimpleNamespace(data=bundle), BATCH)
-    assert torch.equal(x, BATCH[:, :-1])
+    # The batch the trainer hands the model: labels IGNORE'd at the masked positions, nowhere else.
+    batch = bundle.batch(BATCH)
+    assert torch.equal(batch["tokens"], BATCH[:, :-1])
+    y = batch["labels"]
     ignored = {(b, t) for b in range(2) for t in range(16) if y[b, t] == IGNORE}
     assert ignored == MASKED
     assert torch.equal(y[_hand_mask() == 1], BATCH[:, 1:][_hand_mask() == 1])
+    torch.testing.assert_close(batch["loss_mask"], _hand_mask(), rtol=0, atol=0)
     # Off, nothing is masked.
     plain = build_data(DataConfig(name="mock", source="mock", tokenizer=cfg.tokenizer), seq_length=16, seed=0)
     assert plain.loss_mask(BATCH) is None
-    assert torch.equal(Trainer._with_mask(SimpleNamespace(data=plain), BATCH)[1], BATCH[:, 1:])
+    assert torch.equal(plain.batch(BATCH)["labels"], BATCH[:, 1:])
+    assert torch.equal(plain.batch(BATCH)["loss_mask"], torch.ones(2, 16))
 
 
 def _hand_loss(logits, tokens, eod):

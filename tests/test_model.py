@@ -6,6 +6,7 @@ import torch
 
 from megalm.config import ModelConfig
 from megalm.models import KVCache, build_model, flops_per_token, init_weights, matmul_params
+from megalm.parallel import materialize
 
 VARIANTS = {
     "gpt2": dict(),
@@ -61,8 +62,7 @@ def test_tied_and_untied(tiny_model_cfg):
 def test_meta_build_then_materialise_keeps_tie_and_init(tiny_model_cfg):
     eager = make(tiny_model_cfg, seed=3)
     meta = build_model(tiny_model_cfg, device="meta")
-    meta.to_empty(device="cpu")
-    meta.tie_weights()
+    materialize(meta, "cpu")  # to_empty unties: materialize shares the weights again
     init_weights(meta, tiny_model_cfg, 3)
     assert meta.head.weight is meta.embed.tok.weight
     for (n1, p1), (n2, p2) in zip(eager.named_parameters(), meta.named_parameters()):
@@ -128,9 +128,12 @@ def test_ignored_labels_take_no_part_in_the_loss(tiny_model_cfg):
     x = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
     y = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
     logits = m(x)
-    per_token = m.loss.per_token(logits, y)
+    per_token = m.criterion.per_token(logits, y)
     y_masked = y.clone()
     y_masked[0, :3] = IGNORE
     keep = torch.ones_like(y, dtype=torch.bool)
     keep[0, :3] = False
-    torch.testing.assert_close(m.loss(logits, y_masked), per_token[keep].mean())
+    torch.testing.assert_close(m.criterion(logits, y_masked), per_token[keep].mean())
+    # The model's batch loss: the same through the labels, and through a loss mask alone.
+    torch.testing.assert_close(m.loss(logits, {"labels": y_masked}), per_token[keep].mean())
+    torch.testing.assert_close(m.loss(logits, {"labels": y, "loss_mask": keep.float()}), per_token[keep].mean())

@@ -151,14 +151,16 @@ def _comm_volume(rank, world, sequence_parallel):
     from megalm.parallel.grads import clip_grads, finalize_grads
     cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = materialize(parallelize(build_model(cfg.model, "meta", tp=world), mesh, cfg.parallel), "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
     with count_comm() as fwd:
         loss = model(x[:, :-1], x[:, 1:])
     with count_comm() as bwd:
         loss.backward()
-        finalize_grads(model, mesh)
+        finalize_grads(model, mesh, layout)
         clip_grads(list(model.parameters()), 1.0, mesh["tp"].get_group())
     return fwd.calls, fwd.bytes, bwd.calls, bwd.bytes
 

@@ -14,8 +14,9 @@ from test_parallel_model import BASE, LLAMA, _rank_runs, losses
 
 
 def _grads_and_saved_bytes(model_cfg, recompute, num_layers=None):
-    model = materialize(parallelize(build_model(model_cfg, "meta"), None,
-                                    ParallelConfig(recompute=recompute, recompute_num_layers=num_layers)), "cpu")
+    model = build_model(model_cfg, "meta")
+    parallelize(model, None, ParallelConfig(recompute=recompute, recompute_num_layers=num_layers))
+    materialize(model, "cpu")
     init_weights(model, model_cfg, 0)
     x = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))
     saved = []

@@ -68,7 +68,7 @@ def test_single_checkpoint_continues_under_pipeline(runs):
 
 
 def test_resume_with_dropout_replays_the_same_masks(runs):
-    """Inside tp regions dropout draws from each tp rank's own stream (model.tp_rng): a resume at
+    """Inside tp regions dropout draws from each tp rank's own stream (Layout.tp_rng): a resume at
     the same layout restores it with the default generator, so steps 3-4 repeat bit for bit."""
     assert losses(runs["dropout_resumed"])[0] == losses(runs["dropout_straight"])[0][2:]
 

@@ -24,9 +24,11 @@ def _build(world, zero_stage, bucket_mb, family=GPT2):
     from megalm.training.optim import build_optimizer
     cfg = load(*BASE, *family, f"parallel=dp{world}", f"parallel.zero_stage={zero_stage}")
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = materialize(parallelize(build_model(cfg.model, "meta"), mesh, cfg.parallel), "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, mesh, zero_stage, bucket_mb)
+    dp = build_data_parallel(model, mesh, layout, zero_stage, bucket_mb)
     opt = build_optimizer(cfg.optimizer, model, dp)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     batches = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=g) for _ in range(2)]

@@ -16,7 +16,6 @@ from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
 CHOICES = {
-    "model.arch": family_names(),
     "model.position_embedding": ("learned", "rope"),
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "swiglu"),
@@ -43,7 +42,7 @@ def _get(cfg: Any, dotted: str) -> Any:
 
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field rules; raise ConfigError naming the values and what is allowed."""
-    for key, allowed in CHOICES.items():
+    for key, allowed in {"model.arch": family_names(), **CHOICES}.items():  # families as registered now
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}")

@@ -11,12 +11,12 @@ from typing import Any
 
 _EXPORTS = {
     "megalm.data.corpora": ("StdlibCorpus", "stdlib_corpus"),
-    "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask"),
+    "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask", "gpt_batch"),
     "megalm.data.blended": ("BlendedDataset", "blending_indices"),
     "megalm.data.spec": ("blend_spec", "parse_blend", "split_weights"),
     "megalm.data.indexed": ("IndexedDataset", "IndexedDatasetWriter", "best_dtype", "merge_datasets"),
     "megalm.data.loader": ("DataBundle", "DataExhaustedError", "MicroBatchLoader", "build_data", "build_data_tokenizer",
-                           "num_samples_for", "split_documents"),
+                           "collate", "num_samples_for", "split_documents"),
     "megalm.data.tokenizer": ("HuggingFaceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "Tokenizer",
                               "load_tokenizer", "build_tokenizer", "padded_vocab_size"),
 }

@@ -27,13 +27,16 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Dict, Optional, Union
+from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import numpy as np
 
 from megalm.data.cache import load_or_build
 from megalm.data.indexed import IndexedDataset
 from megalm.errors import DataError
+
+if TYPE_CHECKING:
+    import torch  # annotations only: this module stays importable without torch
 
 log = logging.getLogger("megalm.data")
 
@@ -163,6 +166,19 @@ def eod_loss_mask(tokens, eod: int):
     inputs = tokens[..., :-1]
     mask = inputs != eod
     return mask.float() if hasattr(mask, "float") else mask.astype(np.float32)
+
+
+def gpt_batch(samples: torch.Tensor, eod: Optional[int] = None) -> Dict[str, torch.Tensor]:
+    """The batch a GPT model trains on, from (mbs, seq_length + 1) samples: inputs `tokens` and
+    next-token `labels` (mbs, seq_length), and `loss_mask` (float; with `eod`, Megatron's
+    --eod-mask-loss zeroes the positions whose input is eod, and their labels are IGNORE)."""
+    import torch
+    from megalm.models.losses import IGNORE
+    tokens, labels = samples[:, :-1], samples[:, 1:]
+    if eod is None:
+        return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(labels.shape)}
+    mask = eod_loss_mask(samples, eod)
+    return {"tokens": tokens, "labels": labels.masked_fill(mask == 0, IGNORE), "loss_mask": mask}
 
 
 class GPTDataset:

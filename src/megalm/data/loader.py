@@ -22,7 +22,7 @@ import torch
 from megalm.config import DataConfig
 from megalm.data.blended import BlendedDataset, per_dataset_samples
 from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
-from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask
+from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, gpt_batch
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.spec import blend_spec, split_weights
@@ -56,6 +56,14 @@ class DataBundle:
         if not self.eod_mask_loss:
             return None
         return eod_loss_mask(micro_batch, self.tokenizer.eod)
+
+    def batch(self, micro_batch) -> Dict[str, torch.Tensor]:
+        """The batch dict a model trains on from a loader's micro-batch: GPT samples (mbs,
+        seq_length + 1) become tokens / labels / loss_mask (gpt_batch); a dataset of dict samples
+        gives its collated dict unchanged."""
+        if isinstance(micro_batch, dict):
+            return micro_batch
+        return gpt_batch(micro_batch, self.tokenizer.eod if self.eod_mask_loss else None)
 
 
 def num_samples_for(max_steps: int, global_batch_size: int, eval_interval: int, eval_steps: int
@@ -241,6 +249,13 @@ def _write_batch(writer: IndexedDatasetWriter, tokenizer: Tokenizer, texts: List
     return count
 
 
+def collate(samples: Sequence) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    """Stack samples (arrays, or dicts of arrays with the same keys) into a micro-batch."""
+    if isinstance(samples[0], dict):
+        return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+    return torch.from_numpy(np.stack(samples).astype(np.int64))
+
+
 class MicroBatchLoader:
     """This data-parallel rank's micro-batches, with Megatron's pretraining-sampler order.
 
@@ -285,11 +300,11 @@ class MicroBatchLoader:
                 f"as many samples as training draws: build_data(..., num_samples=num_samples_for(max_steps, "
                 f"global_batch_size, eval_interval, eval_steps))")
 
-    def next_batch(self) -> List[torch.Tensor]:
-        """This rank's micro-batches of the next global batch, each (mbs, seq_length + 1)."""
+    def next_batch(self) -> List[Union[torch.Tensor, Dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of the next global batch: samples stacked, each (mbs, seq_length + 1)
+        for GPT samples, or a dict of stacked fields for dict samples."""
         self._check_available()
-        batches = [torch.from_numpy(np.stack([self.dataset[i] for i in idx]).astype(np.int64))
-                   for idx in self.indices()]
+        batches = [collate([self.dataset[i] for i in idx]) for idx in self.indices()]
         self.consumed_samples += self.global_batch_size
         return batches
 

@@ -19,13 +19,13 @@ from megalm.models.losses import lm_loss
 from megalm.models.layers import KVCache
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", tp: int = 1) -> nn.Module:
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
     """The plain single-device model of cfg's family, its parameters allocated on `device` but
     not yet initialised. Pass device="meta" for a model that takes no memory (for planning, and
     for parallelize to shard before allocating)."""
     family = family_of(cfg.arch)
     with torch.device(device):
-        return family.build(cfg, tp)
+        return family.build(cfg)
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from megalm.errors import ConfigError
 
@@ -22,15 +22,53 @@ FAMILY_MODULES: Dict[str, str] = {
 
 
 @dataclass(frozen=True)
+class Parts:
+    """How a family's model divides into pipeline stages, ZeRO-3 units and recompute units.
+
+    The model holds its layers in a ModuleDict keyed by global layer index (so parameter names
+    are the same at every layout), modules that run before them on the first pipeline stage and
+    after them on the last; a rank's model has the others set to None. Its forward takes
+    `part=Part(...)` to run only those (a pipeline stage), and then returns what crosses to the
+    next stage: a tensor, or a tuple of tensors, which the next stage's forward takes as its
+    positional inputs.
+    """
+    layers: str = "blocks"
+    first: Tuple[str, ...] = ()
+    """Attributes of the model only the first stage holds (the embedding)."""
+    last: Tuple[str, ...] = ()
+    """Attributes only the last stage holds (final norm, output head, loss)."""
+    selective: Tuple[str, ...] = ()
+    """Parameter-free submodules of a layer that selective recomputation checkpoints (the attention core)."""
+
+
+@dataclass(frozen=True)
+class Part:
+    """The part of a model one forward runs: a pipeline stage's layers, and whether it is the first
+    (takes the batch's inputs) or the last (returns the output / loss)."""
+    layers: Sequence[int]
+    first: bool
+    last: bool
+
+
+@dataclass(frozen=True)
 class Family:
     name: str
     """The model.arch value that selects it."""
     build: Callable[..., Any]
-    """(ModelConfig, tp) -> the plain model on the current default device, not initialised."""
+    """(ModelConfig) -> the plain single-process model on the current default device, not
+    initialised; vocabulary-sized layers padded for one process (the tp plan re-pads them)."""
     init_weights: Callable[..., None]
     """(model, ModelConfig, seed) -> None: fill every parameter from (seed, global name)."""
     flops_per_token: Callable[..., float]
     """(ModelConfig, seq_length or None) -> training FLOPs per token (megalm.models.flops)."""
+    tp_plan: Optional[Callable[..., Sequence[Tuple[str, Any]]]] = None
+    """(ModelConfig, tp, sequence_parallel) -> [(module pattern, style)] of megalm.parallel.tp_plan;
+    None: the family does not run tensor parallel."""
+    inputs: Tuple[str, ...] = ("tokens",)
+    """The batch keys the model's forward takes, positionally and in this order (a pipeline's first
+    stage gets them); the model's `loss(output, batch)` reads the batch's other keys."""
+    parts: Parts = Parts()
+    """Its pipeline stages, ZeRO-3 units and recompute units."""
     vocab_params: Tuple[str, ...] = ()
     """Parameters whose rows are the padded vocabulary: a checkpoint stores the real rows only."""
     tied: Tuple[Tuple[str, str], ...] = ()

@@ -10,10 +10,13 @@ dropout stream to replay it). Data parallelism (buckets, ZeRO) comes after the w
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
+from typing import List, Optional
 
 from torch import nn
 
 from megalm.config import ParallelConfig
+from megalm.parallel.random import TPRNG
 
 
 def te_available() -> bool:
@@ -24,41 +27,100 @@ def te_available() -> bool:
     return torch.cuda.is_available()
 
 
-def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> nn.Module:
-    """Apply the layout `cfg` over `mesh` to `model` (still on the meta device) and return it."""
+@dataclass
+class Layout:
+    """What `parallelize` decided for this rank, which the pipeline, data parallelism, gradient
+    sums and checkpoints need; the model itself carries no layout state."""
+    stage_ranges: List[range]
+    """Layers of every pipeline stage (one stage holding every layer without a pipeline)."""
+    stage_ids: List[int]
+    """The (virtual) stages this rank runs, in pipeline order."""
+    num_stages: int
+    embedding_group: Optional[object] = None
+    """The process group of the two ranks holding the two copies of a tied weight split across
+    pipeline stages (Megatron's embedding group); None when no tied weight is split."""
+    tied: Optional[str] = None
+    """This rank's copy of that weight, by parameter name (its gradient is summed over the group)."""
+    tp_rng: Optional[TPRNG] = None
+    """The tensor-parallel random streams (megalm.parallel.random), when tp > 1."""
+
+    @property
+    def pipelined(self) -> bool:
+        return self.num_stages > 1
+
+    def tied_param(self, model: nn.Module) -> Optional[nn.Parameter]:
+        return model.get_parameter(self.tied) if self.tied is not None else None
+
+
+def _tied_pairs(model: nn.Module):
+    """The family's (copy, source) pairs that this model shares (the config ties them)."""
+    from megalm.models import family_of
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return [(c, s) for c, s in family_of(model.cfg.arch).tied
+            if c in params and s in params and params[c] is params[s]]
+
+
+def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> Layout:
+    """Apply the layout `cfg` over `mesh` to `model` (still on the meta device) in place; return
+    what this rank's part of the layout is."""
+    from megalm.models import family_of
     from megalm.parallel.recompute import apply_recompute
+    layout = Layout([range(model.cfg.num_layers)], [0], 1)
     if mesh is None:
-        apply_recompute(model, cfg)
-        return model
+        apply_recompute(model, cfg, layout)
+        return layout
     import torch
     pp, tp = mesh["pp"], mesh["tp"]
     if pp.size() > 1:
         # 1. Pipeline split first, so the tensor-parallel plan only touches what this rank keeps.
         from megalm.parallel.pipeline import embedding_group, keep_stage_parts
         from megalm.parallel.stages import stage_layer_ranges, virtual_stages_of
+        tied = _tied_pairs(model)
         num_stages = pp.size() * (2 if cfg.pipeline_schedule == "zbv" else cfg.virtual_pipeline_size)
         ranges = stage_layer_ranges(model.cfg.num_layers, num_stages, cfg.layers_per_stage)
         stage_ids = virtual_stages_of(pp.get_local_rank(), pp.size(), cfg.virtual_pipeline_size,
                                       cfg.pipeline_schedule)
         first, last = 0 in stage_ids, num_stages - 1 in stage_ids
-        keep_stage_parts(model, [i for s in stage_ids for i in ranges[s]], first, last)
-        model.pp_plan = {"ranges": ranges, "stage_ids": stage_ids, "num_stages": num_stages}
-        if model.cfg.tie_embeddings:
+        keep_stage_parts(model, family_of(model.cfg.arch).parts, [i for s in stage_ids for i in ranges[s]],
+                         first, last)
+        layout = Layout(ranges, stage_ids, num_stages)
+        if tied:
             last_pp_rank = 0 if cfg.pipeline_schedule == "zbv" else pp.size() - 1
-            model.embedding_group = embedding_group(mesh, last_pp_rank)
+            layout.embedding_group = embedding_group(mesh, last_pp_rank)
     if tp.size() > 1:
         # 2. Tensor (and sequence) parallel layers.
         from megalm.parallel.tp_plan import apply_tensor_parallel
-        apply_tensor_parallel(model, tp.get_group(), sequence_parallel=cfg.sequence_parallel, seed=seed,
-                              rng_device=torch.device(mesh.device_type))
-    if getattr(model, "embedding_group", None) is not None and model.embed is None and model.head is not None:
-        # The last stage's head is a copy of the tied embedding: initialised from the embedding's
-        # name, and left out of the gradient norm (the first stage counts that matrix).
-        model.head.weight.tied_copy_of = "embed.tok.weight"
+        layout.tp_rng = apply_tensor_parallel(model, tp.get_group(), sequence_parallel=cfg.sequence_parallel,
+                                              seed=seed, rng_device=torch.device(mesh.device_type))
+    if layout.embedding_group is not None:
+        held = dict(model.named_parameters())
+        (copy, source), = tied
+        layout.tied = source if source in held else copy
+        if layout.tied == copy:
+            # The last stage's copy of the tied weight: initialised from the source's name, and left
+            # out of the gradient norm (the first stage counts that matrix).
+            held[copy].tied_copy_of = source
     # 3. Activation recomputation, after TP so it sees (and replays) the tp dropout stream.
-    plan = getattr(model, "pp_plan", None)
-    apply_recompute(model, cfg, [plan["ranges"][s] for s in plan["stage_ids"]] if plan else None)
-    return model
+    apply_recompute(model, cfg, layout)
+    return layout
+
+
+def shared_names(model: nn.Module) -> List[List[str]]:
+    """Names of the parameters that are one tensor (tied weights), grouped, in registration order."""
+    by_id: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def retie(model: nn.Module, groups: List[List[str]]) -> None:
+    """Share each group's parameters again (the first one's) where this rank holds several of them."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for names in groups:
+        held = [n for n in names if n in params]
+        for name in held[1:]:
+            parent, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, params[held[0]])
 
 
 def materialize(model: nn.Module, device) -> nn.Module:
@@ -68,8 +130,9 @@ def materialize(model: nn.Module, device) -> nn.Module:
     such as `tp_shard` / `sequence_parallel` and unties shared weights: restore both.
     """
     tags = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}
+    tied = shared_names(model)
     model.to_empty(device=device)
-    model.tie_weights()
+    retie(model, tied)
     for name, p in model.named_parameters(remove_duplicate=False):
         p.__dict__.update(tags[name])
     return model

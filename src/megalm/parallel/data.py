@@ -82,16 +82,14 @@ class Bucket:
 class DataParallel:
     """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
 
-    def __init__(self, model: nn.Module, mesh, zero_stage: int = 0, bucket_size_mb: float = 25.0):
+    def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0):
         self.model, self.zero_stage = model, zero_stage
         dp = mesh["dp"]
         self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
-        self.embedding_group = getattr(model, "embedding_group", None)
+        self.embedding_group = layout.embedding_group
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.tied = None
-        if self.embedding_group is not None:
-            self.tied = model.embed.tok.weight if model.embed is not None else model.head.weight
+        self.tied = layout.tied_param(model)  # summed over the embedding group
         self.buckets: List[Bucket] = []
         self.where: Dict[nn.Parameter, tuple] = {}
         self.expected: Optional[Dict[nn.Parameter, int]] = None  # accumulations per step, from step 1
@@ -330,11 +328,12 @@ class ZeroOptimizer:
             t.grad = g
 
 
-def build_data_parallel(model: nn.Module, mesh, zero_stage: int, bucket_size_mb: float) -> Optional[DataParallel]:
+def build_data_parallel(model: nn.Module, mesh, layout, zero_stage: int,
+                        bucket_size_mb: float) -> Optional[DataParallel]:
     """The gradient synchroniser of a distributed run; None in a single process."""
     if mesh is None:
         return None
     if zero_stage == 3:
         from megalm.parallel.zero3 import FullyShardedDataParallel
-        return FullyShardedDataParallel(model, mesh, bucket_size_mb)
-    return DataParallel(model, mesh, zero_stage, bucket_size_mb)
+        return FullyShardedDataParallel(model, mesh, layout, bucket_size_mb)
+    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb)

@@ -42,16 +42,16 @@ def sum_replicas(sp: List[torch.Tensor], tp_group, tied: List[torch.Tensor], emb
         _all_reduce_coalesced(tied, embedding_group)
 
 
-def finalize_grads(model: nn.Module, mesh) -> None:
+def finalize_grads(model: nn.Module, mesh, layout) -> None:
     """Unbucketed gradient synchronisation after backward, for scripts that drive a model by hand
     (the trainer uses megalm.parallel.data.DataParallel, which overlaps the dp reduction)."""
     if mesh is None:
         return
     tp, dp = mesh["tp"], mesh["dp"]
-    group = getattr(model, "embedding_group", None)
+    group = layout.embedding_group
     tied = []
     if group is not None:
-        weight = model.embed.tok.weight if model.embed is not None else model.head.weight
+        weight = layout.tied_param(model)
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
         tied = [weight.grad]

@@ -1,67 +1,63 @@
-"""Pipeline parallelism: split GPT's layers into stages and run micro-batches through them with
-the schedules of `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B, zero bubble).
+"""Pipeline parallelism: split a model's layers into stages and run micro-batches through them
+with the schedules of `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1F1B, zero bubble).
 
-Each rank keeps ONE GPT module holding just its layers (blocks keep their global keys, the
-embedding lives on the first stage, final norm, head and loss on the last), so parameter names,
-the optimizer and checkpoints look the same as at pp = 1. The pipeline stages handed to the
-schedule are thin views over layer ranges of that module; with virtual stages (interleaved
-schedules) a rank holds v of them: rank r runs virtual stages r, r + pp, r + 2 pp, ... as in
-Megatron (arXiv:2104.04473, sec. 2.2).
+Each rank keeps ONE model module holding just its layers (they keep their global keys; the
+modules the family runs before the layers live on the first stage, those after them on the
+last: megalm.models.family.Parts), so parameter names, the optimizer and checkpoints look the
+same as at pp = 1. The pipeline stages handed to the schedule are thin views that run the
+model's own forward over a layer range (`part=`); with virtual stages (interleaved schedules) a
+rank holds v of them: rank r runs virtual stages r, r + pp, r + 2 pp, ... as in Megatron
+(arXiv:2104.04473, sec. 2.2). What one stage's forward returns (a tensor or a tuple of them)
+is what crosses to the next.
 
-A tied embedding (first stage) and head (last stage) are two copies, initialised from the same
-global name; their gradients are summed over the pair of ranks holding them (Megatron's
-embedding group), so both copies take the same update and stay equal.
+A tied weight split across the first and last stage (the embedding and the output head) is two
+copies, initialised from the same global name; their gradients are summed over the pair of
+ranks holding them (Megatron's embedding group), so both copies take the same update and stay
+equal.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megalm.config import ParallelConfig
-from megalm.models.gpt import GPT
+from megalm.models.family import Part, Parts
 from megalm.parallel.stages import MULTI_STAGE, virtual_stages_of
 
-def keep_stage_parts(model: GPT, layers: List[int], first: bool, last: bool) -> None:
+
+def keep_stage_parts(model: nn.Module, parts: Parts, layers: Sequence[int], first: bool, last: bool) -> None:
     """Drop from the meta-device model what this rank's stages do not run."""
-    for key in list(model.blocks.keys()):
+    held = getattr(model, parts.layers)
+    for key in list(held.keys()):
         if int(key) not in layers:
-            del model.blocks[key]
-    if not first:
-        model.embed = None
-    if not last:
-        model.norm, model.head, model.loss = None, None, None
+            del held[key]
+    for name in (() if first else parts.first) + (() if last else parts.last):
+        setattr(model, name, None)
 
 
 class StageView(nn.Module):
-    """One pipeline stage: the layers `layers` of the rank's GPT (plus embedding / head at the ends).
+    """One pipeline stage: the model's forward over layers `layers` (and the first / last parts).
 
     It registers only its own parts as submodules: the schedule scales and zeroes gradients per
     stage, so a rank's two stages must not both claim every parameter of the rank's model.
     """
 
-    def __init__(self, model: GPT, layers: range, first: bool, last: bool):
+    def __init__(self, model: nn.Module, parts: Parts, layers: range, first: bool, last: bool):
         super().__init__()
-        self.first, self.last = first, last
-        self.blocks = nn.ModuleList([model.blocks[str(i)] for i in layers])  # shared, not copied
-        self.embed = model.embed if first else None
-        self.norm, self.head = (model.norm, model.head) if last else (None, None)
-        self._rope = model.rope  # a bound method: no module registration
-        self._seq_length = model.cfg.seq_length
+        held = getattr(model, parts.layers)
+        self.layers = nn.ModuleList([held[str(i)] for i in layers])  # shared, not copied
+        for name in (parts.first if first else ()) + (parts.last if last else ()):
+            setattr(self, name, getattr(model, name))
+        self.part = Part(tuple(layers), first, last)
+        self._forward = model.forward  # a bound method: no module registration
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            x = self.embed(x)  # tokens (B, T) → (B, T, h)
-        rope = self._rope(self._seq_length, x.device)
-        for block in self.blocks:
-            x = block(x, rope)
-        if self.last:
-            x = self.head(self.norm(x))  # (B, T, V) logits, or this rank's vocabulary shard
-        return x
+    def forward(self, *inputs: torch.Tensor):
+        return self._forward(*inputs, part=self.part)
 
 
 @dataclass
@@ -73,31 +69,45 @@ class Pipeline:
     has_last: bool
     last_rank: int  # global rank holding the last stage, in this rank's pp group
     group: object   # the pp process group
-    loss_fn: object
+    loss_fn: object  # the model's loss(output, batch)
+    inputs: Tuple[str, ...]  # the batch keys the first stage takes (the family's inputs)
     n_microbatches: int
     num_stages: int
     owner: List[int]  # global rank running each stage
     rank: int
     loss_scale: float = 1.0  # fp16: the trainer's current loss scale
+    _batch: Optional[Dict[str, torch.Tensor]] = None  # the batch of the step in flight
 
-    def train_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _micro_batch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
+        """The model's loss on the samples `index` of the batch in flight: the schedule splits a
+        target tensor only, so it carries sample indices and the loss gathers the batch's fields."""
+        return self.loss_fn(output, {k: v[index] for k, v in self._batch.items()})
+
+    def train_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,
         which runs once per stage and would scale a weight shared by two stages of one rank (ZBV's
         tied embedding and head) twice; the fp16 loss scale multiplies in here too."""
-        return self.loss_fn(logits, labels) * (self.loss_scale / self.n_microbatches)
+        return self._micro_batch_loss(output, index) * (self.loss_scale / self.n_microbatches)
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool = True) -> torch.Tensor:
-        """Run a batch split into the schedule's micro-batches; the mean loss on every pp rank."""
-        if not train:
-            return self._forward_only(tokens, labels)
-        losses: List[torch.Tensor] = []
-        self.schedule.step(*((tokens,) if self.has_first else ()), target=labels if self.has_last else None,
-                           losses=losses if self.has_last else None, return_outputs=False)
-        # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
-        return self._share([l.detach().float() * (self.n_microbatches / self.loss_scale) for l in losses])
+    def step(self, batch: Dict[str, torch.Tensor], train: bool = True) -> torch.Tensor:
+        """Run a batch (dict of (B, ...) tensors) split into the schedule's micro-batches; the mean
+        loss on every pp rank."""
+        self._batch = batch
+        try:
+            if not train:
+                return self._forward_only(batch)
+            losses: List[torch.Tensor] = []
+            index = torch.arange(len(batch[self.inputs[0]]), device=batch[self.inputs[0]].device)
+            self.schedule.step(*(tuple(batch[k] for k in self.inputs) if self.has_first else ()),
+                               target=index if self.has_last else None,
+                               losses=losses if self.has_last else None, return_outputs=False)
+            # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
+            return self._share([l.detach().float() * (self.n_microbatches / self.loss_scale) for l in losses])
+        finally:
+            self._batch = None
 
     @torch.no_grad()
-    def _forward_only(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _forward_only(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Evaluation: each micro-batch walks the stages in order with plain sends and receives.
 
         The schedules' own eval mode does not run multi-stage (interleaved, zero bubble) schedules
@@ -105,17 +115,18 @@ class Pipeline:
         """
         views = {stage.stage_index: stage.submod for stage in self.stages}
         losses = []
-        for x_tokens, y in zip(tokens.chunk(self.n_microbatches), labels.chunk(self.n_microbatches)):
+        size = len(batch[self.inputs[0]])
+        for index in torch.arange(size, device=batch[self.inputs[0]].device).chunk(self.n_microbatches):
             x = None
             for s in sorted(views):  # this rank's stages in pipeline order
                 if s == 0:
-                    x = x_tokens
+                    x = tuple(batch[k][index] for k in self.inputs)
                 elif self.owner[s - 1] != self.rank:
                     x = _recv(self.owner[s - 1], self.group)
                 # else: x is the output of this rank's own stage s - 1 (ZBV's turn of the V)
-                x = views[s](x)
+                x = views[s](*x) if isinstance(x, tuple) else views[s](x)
                 if s == self.num_stages - 1:
-                    losses.append(self.loss_fn(x, y).float())
+                    losses.append(self._micro_batch_loss(x, index).float())
                 elif self.owner[s + 1] != self.rank:
                     _send(x, self.owner[s + 1], self.group)
         return self._share(losses)
@@ -126,24 +137,46 @@ class Pipeline:
         return loss
 
 
-def _send(x: torch.Tensor, dst: int, group) -> None:
-    dist.send(torch.tensor(x.shape, dtype=torch.long), dst, group=group)
-    dist.send(x.contiguous(), dst, group=group)
+# Tensors a stage boundary may carry (activations, masks, ids), by their code on the wire.
+WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.bool)
 
 
-def _recv(src: int, group) -> torch.Tensor:
-    # Stage boundaries carry float activations (B, T or T/tp, h); the shape travels first.
-    shape = torch.empty(3, dtype=torch.long)
-    dist.recv(shape, src, group=group)
-    x = torch.empty(tuple(shape.tolist()), dtype=torch.float32)
-    dist.recv(x, src, group=group)
-    return x
+def _send(x: Union[torch.Tensor, Tuple[torch.Tensor, ...]], dst: int, group) -> None:
+    """Send a stage's output (a tensor or a tuple of tensors): a header of dtypes and shapes first."""
+    tensors = (x,) if torch.is_tensor(x) else tuple(x)
+    header = [len(tensors)]
+    for t in tensors:
+        header += [WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
+    dist.send(torch.tensor([len(header)], dtype=torch.long), dst, group=group)
+    dist.send(torch.tensor(header, dtype=torch.long), dst, group=group)
+    for t in tensors:
+        dist.send(t.contiguous(), dst, group=group)
 
 
-def build_pipeline(model: GPT, stage_ranges: List[range], stage_ids: List[int], num_stages: int,
-                   group, cfg: ParallelConfig, n_microbatches: int, device) -> Pipeline:
+def _recv(src: int, group) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
+    size = torch.empty(1, dtype=torch.long)
+    dist.recv(size, src, group=group)  # the header's length: a first, fixed-size message
+    header_t = torch.empty(int(size), dtype=torch.long)
+    dist.recv(header_t, src, group=group)
+    header = header_t.tolist()
+    tensors, i = [], 1
+    for _ in range(header[0]):
+        dtype, ndim = WIRE_DTYPES[header[i]], header[i + 1]
+        t = torch.empty(tuple(header[i + 2:i + 2 + ndim]), dtype=dtype)
+        dist.recv(t, src, group=group)
+        tensors.append(t)
+        i += 2 + ndim
+    return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_microbatches: int, device) -> Pipeline:
+    """The schedule over this rank's stages of `layout` (megalm.parallel.Layout)."""
     from torch.distributed import pipelining as pl
-    stages = [pl.PipelineStage(StageView(model, stage_ranges[s], s == 0, s == num_stages - 1), s, num_stages,
+    from megalm.models import family_of
+    family = family_of(model.cfg.arch)
+    parts = family.parts
+    stage_ranges, stage_ids, num_stages = layout.stage_ranges, layout.stage_ids, layout.num_stages
+    stages = [pl.PipelineStage(StageView(model, parts, stage_ranges[s], s == 0, s == num_stages - 1), s, num_stages,
                                device, group=group) for s in stage_ids]
     pp_ranks = dist.get_process_group_ranks(group)  # global ranks by pp rank
     pp = len(pp_ranks)
@@ -151,7 +184,8 @@ def build_pipeline(model: GPT, stage_ranges: List[range], stage_ids: List[int], 
     owner = [pp_ranks[next(r for r in range(pp) if s in virtual_stages_of(r, pp, len(stage_ids), name))]
              for s in range(num_stages)]
     pipeline = Pipeline(None, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
-                        last_rank=owner[-1], group=group, loss_fn=model.loss, n_microbatches=n_microbatches,
+                        last_rank=owner[-1], group=group, loss_fn=model.loss, inputs=family.inputs,
+                        n_microbatches=n_microbatches,
                         num_stages=num_stages, owner=owner, rank=dist.get_rank())
     if name in MULTI_STAGE:
         cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,

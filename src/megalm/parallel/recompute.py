@@ -1,9 +1,10 @@
 """Activation recomputation (arXiv:2205.05198): keep fewer activations, recompute them in backward.
 
-- selective: only the attention core (softmax(QK^T)V and its dropout), whose activations grow
-  with the square of the sequence while its FLOPs are a small share of the layer.
-- full: whole Transformer blocks — every block of a stage, or the first `recompute_num_layers`
-  of each stage (Megatron's "uniform"/"block" trade-off: recompute only as much as memory needs).
+- selective: only what the family names in each layer (Parts.selective: the attention core,
+  softmax(QK^T)V and its dropout), whose activations grow with the square of the sequence while
+  its FLOPs are a small share of the layer.
+- full: whole layers (Transformer blocks) — every layer of a stage, or the first
+  `recompute_num_layers` of each stage (Megatron's "uniform"/"block" trade-off: recompute only as much as memory needs).
 
 torch.utils.checkpoint restores the default RNG for the replay, so dropout on replicated
 activations draws the same masks. Dropout in tensor-parallel regions draws from the TPRNG
@@ -12,8 +13,6 @@ forward and replays it, then puts the stream back where training had moved it.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -49,24 +48,28 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     module.forward = forward
 
 
-def apply_recompute(model: nn.Module, cfg: ParallelConfig, stage_ranges: Optional[list] = None) -> None:
-    """Wrap blocks (full) or attention cores (selective) of `model` in place."""
+def apply_recompute(model: nn.Module, cfg: ParallelConfig, layout) -> None:
+    """Wrap layers (full) or the family's selective submodules of each layer (the attention core)
+    of `model` in place; `layout` (megalm.parallel.Layout) says which stages this rank runs and
+    holds the tp streams."""
     if cfg.recompute == "none":
         return
-    keys = list(model.blocks.keys())
+    from megalm.models import family_of
+    from megalm.parallel.tp_plan import ForkRNG
+    parts = family_of(model.cfg.arch).parts
+    layers = getattr(model, parts.layers)
     if cfg.recompute == "selective":
-        for key in keys:
-            core = model.blocks[key].attn.core
-            # Inside a tp fork the checkpoint saves the fork's stream as the RNG it restores.
-            recompute_forward(core.inner if hasattr(core, "inner") else core)
+        for layer in layers.values():
+            for path in parts.selective:
+                inner = layer.get_submodule(path)
+                # Inside a tp fork the checkpoint saves the fork's stream as the RNG it restores.
+                recompute_forward(inner.inner if isinstance(inner, ForkRNG) else inner)
         return
-    if stage_ranges is None:
-        stage_ranges = [range(int(keys[0]), int(keys[-1]) + 1)] if keys else []
     n = cfg.recompute_num_layers
     chosen = set()
-    for r in stage_ranges:
-        layers = [i for i in r if str(i) in model.blocks]
-        chosen.update(layers if n is None else layers[:n])
-    for key in keys:
+    for r in (layout.stage_ranges[s] for s in layout.stage_ids):
+        held = [i for i in r if str(i) in layers]
+        chosen.update(held if n is None else held[:n])
+    for key, layer in layers.items():
         if int(key) in chosen:
-            recompute_forward(model.blocks[key], getattr(model, "tp_rng", None))
+            recompute_forward(layer, layout.tp_rng)

@@ -1,31 +1,58 @@
-"""The tensor-parallel plan for GPT: which module becomes which sharded layer.
+"""Tensor-parallel styles, and applying a family's plan of them to a model.
 
-Megatron's layout (arXiv:1909.08053, sec. 3): in each block, the fused QKV and the MLP's first
-linear are column-parallel (each rank holds whole heads and a slice of the ffn), the attention
-output and the MLP's second linear are row-parallel, so a block needs one all-reduce forward
-and one backward per sub-layer. The embedding and the head are vocab-parallel, and the loss is
-computed from vocabulary shards without gathering the logits.
+A family declares its plan next to its model code (as torchtitan keeps its plans): a list of
+(module pattern, style) pairs, where a pattern names a module path and `*` matches any one
+segment (`blocks.*.attn.qkv`). `apply_tensor_parallel` swaps each matching module for its
+sharded form, or tags it, in the order of the plan; modules this rank does not hold (another
+pipeline stage's) simply match nothing.
 
-With sequence parallelism (arXiv:2205.05198) the activations between sub-layers are split along
-the sequence: the all-reduce becomes a reduce-scatter after the row-parallel linear and an
-all-gather before the column-parallel one (the same bytes), and norms and dropout run on
-1/tp of the tokens. Their weights then see partial gradients: marked `sequence_parallel` so
-finalize_grads sums them over the tp group.
+The styles follow Megatron's layout (arXiv:1909.08053, sec. 3): column-parallel linears hold a
+slice of the outputs (whole heads, a slice of the ffn), row-parallel ones a slice of the inputs,
+so a column → row pair needs one all-reduce forward and one backward; vocabulary-sized layers
+are split by rows, and the loss is computed from vocabulary shards without gathering the
+logits. With sequence parallelism (arXiv:2205.05198) the activations between sub-layers are
+split along the sequence: the all-reduce becomes a reduce-scatter after the row-parallel linear
+and an all-gather before the column-parallel one, and norms and dropout run on 1/tp of the
+tokens. Their weights then see partial gradients: tagged `sequence_parallel` so the gradient
+code sums them over the tp group.
 
+The plan owns vocabulary padding: a family builds its model with one process's padding, and
+its plan gives vocabulary-sized layers the rows of the tp degree (`ModelConfig.padded_vocab`).
 Applied on the meta device, before any weight exists; init_weights then fills each shard from
 the full tensor of the same global name, so weights do not depend on tp.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import List, Optional, Sequence, Tuple
+
 from torch import nn
 
 from megalm.distributed.comm import scatter_seq
-from megalm.models.gpt import GPT
+from megalm.errors import ConfigError
 from megalm.models.losses import IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
 from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)
+
+
+@dataclass
+class TPContext:
+    """What a style needs to shard a module on this rank."""
+    group: object
+    sequence_parallel: bool
+    rng: TPRNG
+    device: object  # where the modules are built (meta)
+
+    @property
+    def size(self) -> int:
+        return self.group.size()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank()
 
 
 class ForkRNG(nn.Module):
@@ -63,51 +90,109 @@ def _mark_sequence_parallel(module: nn.Module) -> None:
             p.sequence_parallel = True
 
 
-def apply_tensor_parallel(model: GPT, group, *, sequence_parallel: bool, seed: int, rng_device) -> None:
-    """Swap model's layers for tensor-parallel ones over `group`, in place."""
+# -- styles: each turns one module into its tensor-parallel form (a replacement, or None) -------
+@dataclass(frozen=True)
+class ColumnParallel:
+    """nn.Linear → ColumnParallelLinear. `segments`: the widths of a fused output ([q | k | v]),
+    each split across ranks; `rows`: the output width to build (a vocabulary padded for tp)."""
+    segments: Optional[Tuple[int, ...]] = None
+    rows: Optional[int] = None
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module:
+        return ColumnParallelLinear(module.in_features, self.rows or module.out_features, bias=module.bias is not None,
+                                    segments=self.segments, group=ctx.group, sequence_parallel=ctx.sequence_parallel,
+                                    device=ctx.device)
+
+
+@dataclass(frozen=True)
+class RowParallel:
+    """nn.Linear → RowParallelLinear (its bias, added on sequence shards, is tagged under sp)."""
+
+    def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module:
+        return RowParallelLinear(module.in_features, module.out_features, bias=module.bias is not None,
+                                 group=ctx.group, sequence_parallel=ctx.sequence_parallel, device=ctx.device)
+
+
+@dataclass(frozen=True)
+class VocabParallel:
+    """nn.Embedding → VocabParallelEmbedding of `rows` rows; `reduce` as that class takes it
+    ("reduce_scatter" puts the lookup straight into sequence shards)."""
+    rows: int
+    reduce: str = "all_reduce"
+
+    def apply(self, module: nn.Embedding, ctx: TPContext) -> nn.Module:
+        return VocabParallelEmbedding(self.rows, module.embedding_dim, group=ctx.group, reduce=self.reduce,
+                                      device=ctx.device)
+
+
+@dataclass(frozen=True)
+class VocabParallelLoss:
+    """LMLoss → VocabParallelLMLoss over logits whose `rows` columns are split across ranks."""
+    rows: int
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return VocabParallelLMLoss(ctx.group, self.rows // ctx.size * ctx.rank, module.vocab_size,
+                                   getattr(module, "label_smoothing", 0.0))
+
+
+@dataclass(frozen=True)
+class TPRandom:
+    """A parameter-free module drawing different random numbers on each tp rank (dropout on
+    sharded activations): run under the "tp" stream."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
+        return ForkRNG(module, ctx.rng, "tp")
+
+
+@dataclass(frozen=True)
+class SequenceParallelParams:
+    """A module applied to sequence shards (a norm): its replicated parameters get partial gradients."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        _mark_sequence_parallel(module)
+
+
+@dataclass(frozen=True)
+class ScatterSequence:
+    """The module's output (B, T, h), replicated, is cut to this rank's sequence shard."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        group = ctx.group
+        module.register_forward_hook(lambda mod, args, out: scatter_seq(out, group))
+
+
+# -- applying a plan ----------------------------------------------------------------------------
+def matches(pattern: str, path: str) -> bool:
+    """`path` is the module `pattern` names; `*` matches one dotted segment."""
+    want, have = pattern.split("."), path.split(".")
+    return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
+
+
+def apply_plan(model: nn.Module, plan: Sequence[Tuple[str, object]], ctx: TPContext) -> None:
+    """Apply each (pattern, style) of `plan` to the modules of `model` it matches, in place."""
+    for pattern, style in plan:
+        paths = [name for name, _ in model.named_modules() if name and matches(pattern, name)]
+        for path in paths:
+            new = style.apply(model.get_submodule(path), ctx)
+            if new is not None:
+                parent, _, leaf = path.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, leaf, new)
+
+
+def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool, seed: int, rng_device) -> TPRNG:
+    """Shard `model` over `group` by its family's plan, in place; return the tp random streams
+    its layers draw from (recomputation replays them, checkpoints save them)."""
+    from megalm.models import family_of
+    from megalm.parallel import retie, shared_names
     cfg = model.cfg
-    tp, rank = group.size(), group.rank()
-    sp = sequence_parallel
-    h, hd = cfg.hidden_size, cfg.head_dim
-    q, kv = cfg.num_attention_heads * hd, cfg.kv_heads * hd
-    device = next(model.parameters()).device
-    rng = TPRNG(seed, rank, rng_device)  # the device training will run on; `device` is meta here
-    model.tp_rng = rng  # recomputation replays this stream (megalm.parallel.recompute)
-    dense = dict(group=group, sequence_parallel=sp, device=device)
-
-    if model.embed is not None:
-        emb = model.embed
-        if sp and emb.pos is None:
-            # No position table to add after the lookup: reduce-scatter the partial sums straight
-            # into sequence shards (half the bytes of an all-reduce) and drop out on the shard.
-            emb.tok = VocabParallelEmbedding(model.padded_vocab, h, group=group, reduce="reduce_scatter",
-                                             device=device)
-            emb.drop = ForkRNG(emb.drop, rng, "tp")
-        else:
-            emb.tok = VocabParallelEmbedding(model.padded_vocab, h, group=group, reduce="all_reduce",
-                                             device=device)
-            if sp:  # positions and dropout on the full (replicated) sequence, then keep this rank's part
-                emb.register_forward_hook(lambda module, args, out: scatter_seq(out, group))
-
-    for block in model.blocks.values():
-        attn, mlp = block.attn, block.mlp
-        attn.qkv = ColumnParallelLinear(h, q + 2 * kv, bias=cfg.bias, segments=(q, kv, kv), **dense)
-        attn.proj = RowParallelLinear(q, h, bias=cfg.bias, **dense)
-        attn.core = ForkRNG(attn.core, rng, "tp")  # attention dropout over this rank's heads
-        gated = cfg.activation == "swiglu"
-        f = cfg.ffn_size
-        mlp.fc1 = ColumnParallelLinear(h, 2 * f if gated else f, bias=cfg.bias,
-                                       segments=(f, f) if gated else None, **dense)
-        mlp.fc2 = RowParallelLinear(f, h, bias=cfg.bias, **dense)
-        if sp:
-            attn.dropout = ForkRNG(attn.dropout, rng, "tp")
-            mlp.dropout = ForkRNG(mlp.dropout, rng, "tp")
-            for module in (block.norm1, block.norm2, attn.proj, mlp.fc2):
-                _mark_sequence_parallel(module)  # row-parallel biases are added on the shard too
-
-    if model.norm is not None and sp:
-        _mark_sequence_parallel(model.norm)
-    if model.head is not None:
-        model.head = ColumnParallelLinear(h, model.padded_vocab, bias=False, **dense)
-        model.loss = VocabParallelLMLoss(group, model.head.out_features * rank, cfg.vocab_size)
-    model.tie_weights()
+    tied = shared_names(model)
+    rng = TPRNG(seed, group.rank(), rng_device)  # the device training will run on; the model is on meta
+    ctx = TPContext(group, sequence_parallel, rng, next(model.parameters()).device)
+    family = family_of(cfg.arch)
+    if family.tp_plan is None:
+        raise ConfigError(f"parallel.tp={group.size()}: the {family.name} family has no tensor-parallel plan; "
+                          "use parallel.tp=1")
+    plan: List[Tuple[str, object]] = list(family.tp_plan(cfg, group.size(), sequence_parallel))
+    apply_plan(model, plan, ctx)
+    retie(model, tied)  # a tied weight swapped on both sides is shared again
+    return rng

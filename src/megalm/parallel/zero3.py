@@ -1,7 +1,8 @@
 """ZeRO-3: parameters sharded over dp as well, gathered one layer at a time when they are used.
 
 ZeRO stage 3 (arXiv:1910.02054, sec. 5.3) on top of the buckets of `megalm.parallel.data`: every
-unit of the model (the embedding, each block, the final norm, the head) gets buckets of its own,
+unit of the model (the family's first-stage modules, each layer, its last-stage modules: the
+embedding, each block, the final norm, the head for GPT) gets buckets of its own,
 and at rest a rank keeps only its 1/dp chunk of each bucket's parameters (`param_shard`, which
 its optimizer updates). The flat buffer the model's parameters view keeps its tensor but has its
 storage freed (resized to 0 bytes), so the parameter objects, autograd's references to them and
@@ -37,19 +38,22 @@ from megalm.parallel.data import Bucket, DataParallel
 
 
 def model_units(model: nn.Module) -> List[nn.Module]:
-    """The modules whose parameters are gathered together, in forward order (this stage's part)."""
-    units = [model.embed] if model.embed is not None else []
-    units += list(model.blocks.values())
-    units += [m for m in (model.norm, model.head) if m is not None]
-    return units
+    """The modules whose parameters are gathered together, in forward order (this stage's part):
+    each of the family's first-stage modules, each layer, each last-stage module (megalm.models.family.Parts)."""
+    from megalm.models import family_of
+    parts = family_of(model.cfg.arch).parts
+    held = [getattr(model, name) for name in parts.first]
+    held += list(getattr(model, parts.layers).values())
+    held += [getattr(model, name) for name in parts.last]
+    return [m for m in held if m is not None and any(True for _ in m.parameters())]
 
 
 class FullyShardedDataParallel(DataParallel):
     """DataParallel with zero_stage 3: weights, gradients and optimizer state sharded over dp."""
 
-    def __init__(self, model: nn.Module, mesh, bucket_size_mb: float = 25.0):
+    def __init__(self, model: nn.Module, mesh, layout, bucket_size_mb: float = 25.0):
         self.units = model_units(model)
-        super().__init__(model, mesh, zero_stage=3, bucket_size_mb=bucket_size_mb)
+        super().__init__(model, mesh, layout, zero_stage=3, bucket_size_mb=bucket_size_mb)
         self.unit_buckets: Dict[nn.Module, List[Bucket]] = {}
         for unit in self.units:
             buckets = []
@@ -71,8 +75,8 @@ class FullyShardedDataParallel(DataParallel):
                 owner.setdefault(p, i)
         loose = [n for n, p in self.model.named_parameters() if p.requires_grad and p not in owner]
         if loose:
-            raise ValueError(f"parallel.zero_stage=3 gathers parameters by unit (embedding, blocks, final norm, "
-                             f"head); these belong to none: {loose}")
+            raise ValueError(f"parallel.zero_stage=3 gathers parameters by unit (the family's Parts: first-stage "
+                             f"modules, layers, last-stage modules); these belong to none: {loose}")
         groups: List[List[nn.Parameter]] = []
         for i in reversed(range(len(self.units))):
             params = [p for p in self.params if owner[p] == i]

@@ -186,8 +186,9 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: Dict[str, Any], data_parallel=None) -> Path:
-        """Write step `step`; with checkpoint.async_save it is published by the next save or finish()."""
+             trainer_state: Dict[str, Any], data_parallel=None, layout=None) -> Path:
+        """Write step `step`; with checkpoint.async_save it is published by the next save or finish().
+        `layout`: what megalm.parallel.parallelize returned (None for a single process)."""
         self.finish()  # never two saves in flight: the previous one lands first
         name = f"step_{step:08d}"
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
@@ -196,7 +197,7 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         state = {"model": model_entries(model, data_parallel), "optim": optim_entries(model, optimizer, data_parallel),
-                 "rng": rng_state(), **_rank_streams(model, self.tp_group)}
+                 "rng": rng_state(), **_rank_streams(layout, self.tp_group)}
         if _is_rank0():
             _write_trainer_state(tmp, dict(trainer_state, step=step))
             if self.config_yaml is not None:
@@ -285,7 +286,7 @@ class Checkpointer:
 
     # -- load ------------------------------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],
-             data_parallel=None, metadata=None) -> Dict[str, Any]:
+             data_parallel=None, metadata=None, layout=None) -> Dict[str, Any]:
         """Load model (and optimizer, RNG) state in place; return the trainer state saved with it.
         `metadata`: the step folder's state_dict_metadata when the caller has read it already."""
         path = resolve(path)
@@ -296,12 +297,12 @@ class Checkpointer:
         check_shapes(path, metadata, state["model"])
         if optimizer is not None:
             state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state(),
-                         **_rank_streams(model, self.tp_group, metadata))
+                         **_rank_streams(layout, self.tp_group, metadata))
         zero_vocab_padding(model, optimizer, data_parallel)  # the checkpoint fills the real rows only
         _quiet(load_state, state, path, metadata_read=True)  # in place; never runs code from the files
         if optimizer is not None:
             set_rng_state(state["rng"])
-            _set_rank_streams(model, self.tp_group, state)
+            _set_rank_streams(layout, self.tp_group, state)
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())
 
@@ -322,14 +323,14 @@ def _os_error_in(error: BaseException) -> Optional[OSError]:
     return None
 
 
-def _role(model: torch.nn.Module, tp_group) -> str:
+def _role(layout, tp_group) -> str:
     """The part of the model this rank runs: its streams carry over only to a rank in that role."""
     tp = f"{dist.get_rank(tp_group)}/{dist.get_world_size(tp_group)}" if tp_group is not None else "0/1"
-    plan = getattr(model, "pp_plan", None) or {"stage_ids": [0], "num_stages": 1}
-    return f"world {dist.get_world_size()} tp {tp} stages {plan['stage_ids']}/{plan['num_stages']}"
+    stage_ids, num_stages = (layout.stage_ids, layout.num_stages) if layout is not None else ([0], 1)
+    return f"world {dist.get_world_size()} tp {tp} stages {stage_ids}/{num_stages}"
 
 
-def _rank_streams(model: torch.nn.Module, tp_group, metadata=None) -> Dict[str, Any]:
+def _rank_streams(layout, tp_group, metadata=None) -> Dict[str, Any]:
     """This rank's random streams under its own rank, {RANK_RNG: {"<rank>": ...}}; {} alone.
 
     "rng" holds one copy for all ranks (DCP keeps one of equal keys), but pipeline stages draw
@@ -340,8 +341,8 @@ def _rank_streams(model: torch.nn.Module, tp_group, metadata=None) -> Dict[str, 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return {}
     rank = str(dist.get_rank())
-    mine: Dict[str, Any] = {"role": _role(model, tp_group), "default": rng_state()}
-    tp_rng = getattr(model, "tp_rng", None)
+    mine: Dict[str, Any] = {"role": _role(layout, tp_group), "default": rng_state()}
+    tp_rng = layout.tp_rng if layout is not None else None
     if tp_rng is not None:
         mine["tp"] = tp_rng.state_dict()["states"]
     if metadata is not None:
@@ -352,16 +353,16 @@ def _rank_streams(model: torch.nn.Module, tp_group, metadata=None) -> Dict[str, 
     return {RANK_RNG: {rank: mine}}
 
 
-def _set_rank_streams(model: torch.nn.Module, tp_group, state: Dict[str, Any]) -> None:
+def _set_rank_streams(layout, tp_group, state: Dict[str, Any]) -> None:
     """After "rng": this rank's own streams, if it runs the part of the model it ran at the save
     (a layout change keeps "rng" alone: tp ranks must share their default stream)."""
     for mine in state.get(RANK_RNG, {}).values():  # this rank's entry only
-        if mine["role"] != _role(model, tp_group):
+        if mine["role"] != _role(layout, tp_group):
             log.info("checkpoint written at another layout (%s, now %s): every rank starts from the shared "
-                     "random state", mine["role"], _role(model, tp_group))
+                     "random state", mine["role"], _role(layout, tp_group))
             return
         set_rng_state(dict(state["rng"], **mine["default"]))
-        tp_rng = getattr(model, "tp_rng", None)
+        tp_rng = layout.tp_rng if layout is not None else None
         if tp_rng is not None and set(mine.get("tp", {})) == set(tp_rng.STREAMS):
             tp_rng.load_state_dict({"states": mine["tp"]})
 

@@ -65,8 +65,8 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
 
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
-    model = build_model(cfg.model, device="meta", tp=dims.tp)
-    model = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    model = build_model(cfg.model, device="meta")
+    layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)
     n_params = sum(p.numel() for p in model.parameters())
@@ -76,17 +76,15 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     pipeline = None
     if dims.pp > 1:
         from megalm.parallel.pipeline import build_pipeline
-        plan = model.pp_plan
-        pipeline = build_pipeline(model, plan["ranges"], plan["stage_ids"], plan["num_stages"],
-                                  mesh["pp"].get_group(), cfg.parallel,
+        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
     from megalm.parallel.data import build_data_parallel
-    data_parallel = build_data_parallel(model, mesh, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    data_parallel = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     peak = peak_flops_for(cfg.cluster, t.precision, device)
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer, mesh=mesh, pipeline=pipeline, data_parallel=data_parallel,
+        checkpointer=checkpointer, mesh=mesh, layout=layout, pipeline=pipeline, data_parallel=data_parallel,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0)
     if start.path is not None:

@@ -6,7 +6,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 from tqdm import tqdm
@@ -17,7 +17,6 @@ from megalm.data.provenance import tokenizer_record
 from megalm.errors import TrainingError
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
-from megalm.models.losses import IGNORE
 from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
@@ -34,15 +33,18 @@ def stopped_on_signal() -> bool:
 class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, throughput: Throughput,
-                 device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, pipeline=None,
-                 data_parallel=None, is_rank0: bool = True):
-        """`metrics` may be set later (before fit): the run writes nothing until a resume is accepted."""
+                 device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, layout=None,
+                 pipeline=None, data_parallel=None, is_rank0: bool = True):
+        """`metrics` may be set later (before fit): the run writes nothing until a resume is accepted.
+        `layout`: what megalm.parallel.parallelize returned for this rank."""
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
-        self.device, self.is_rank0, self.mesh, self.pipeline = device, is_rank0, mesh, pipeline
+        self.device, self.is_rank0, self.mesh, self.layout, self.pipeline = device, is_rank0, mesh, layout, pipeline
         self.pp_group = mesh["pp"].get_group() if mesh is not None and mesh["pp"].size() > 1 else None
         self.data_parallel = data_parallel
+        from megalm.models import family_of
+        self.inputs = family_of(model.cfg.arch).inputs  # the batch keys the model's forward takes
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
@@ -74,7 +76,7 @@ class Trainer:
 
     def load(self, path, weights_only: bool = False, metadata=None) -> None:
         saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer, self.data_parallel,
-                                       metadata)
+                                       metadata, self.layout)
         if not weights_only:
             self.step = saved["step"]
             self.loader.consumed_samples = saved["consumed_samples"]
@@ -91,9 +93,21 @@ class Trainer:
         return autocast(self.cfg.precision, self.device.type)
 
     # -- one step --------------------------------------------------------------------------------
+    def _batches(self, loader) -> List[Dict[str, torch.Tensor]]:
+        """The loader's next micro-batches as the model's batch dicts, on this rank's device."""
+        return [{k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(mb).items()}
+                for mb in loader.next_batch()]
+
+    def _joined(self, micro_batches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """One batch of the micro-batches, for the pipeline schedule to split again the same way."""
+        return {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
+
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model.loss(self.model(*(batch[k] for k in self.inputs)), batch)
+
     def train_step(self) -> Dict[str, float]:
         self.model.train()
-        micro_batches = [self._with_mask(mb) for mb in self.loader.next_batch()]
+        micro_batches = self._batches(self.loader)
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
@@ -101,15 +115,12 @@ class Trainer:
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
-            tokens = torch.cat([x for x, _ in micro_batches]).to(self.device)
-            labels = torch.cat([y for _, y in micro_batches]).to(self.device)
             with self._autocast():
-                total = self.pipeline.step(tokens, labels)
+                total = self.pipeline.step(self._joined(micro_batches))
         else:
-            for x, y in micro_batches:
-                x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            for batch in micro_batches:
                 with self._autocast():
-                    loss = self.model(x, y) / len(micro_batches)
+                    loss = self._loss(batch) / len(micro_batches)
                 (loss * scale if scale != 1.0 else loss).backward()
                 total += loss.detach()
         if self.data_parallel is not None:
@@ -130,7 +141,7 @@ class Trainer:
             self.skips_in_a_row = 0
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.throughput.add(self.cfg.global_batch_size * micro_batches[0][0].shape[1])  # seq tokens a sample
+        self.throughput.add(self.cfg.global_batch_size * micro_batches[0][self.inputs[0]].shape[1])  # tokens a sample
         out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
@@ -161,14 +172,6 @@ class Trainer:
         return (f"the last checkpoint, {last}, is kept and a rerun resumes from it" if last is not None
                 else "no checkpoint was written")
 
-    def _with_mask(self, mb: torch.Tensor):
-        """(inputs, labels) of a (mbs, seq + 1) micro-batch; labels after an eod are ignored with eod_mask_loss."""
-        x, y = mb[:, :-1], mb[:, 1:]
-        mask = self.data.loss_mask(mb)
-        if mask is not None:
-            y = y.masked_fill(mask == 0, IGNORE)
-        return x, y
-
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the same eval_steps global batches of validation data every time."""
@@ -179,16 +182,14 @@ class Trainer:
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
         losses = []
         for _ in range(self.cfg.eval_steps):
-            micro_batches = [self._with_mask(mb) for mb in loader.next_batch()]
+            micro_batches = self._batches(loader)
             if self.pipeline is not None:
-                tokens = torch.cat([x for x, _ in micro_batches]).to(self.device)
-                labels = torch.cat([y for _, y in micro_batches]).to(self.device)
                 with self._autocast():
-                    losses.append(self.pipeline.step(tokens, labels, train=False))
+                    losses.append(self.pipeline.step(self._joined(micro_batches), train=False))
                 continue
-            for x, y in micro_batches:
+            for batch in micro_batches:
                 with self._autocast():
-                    losses.append(self.model(x.to(self.device), y.to(self.device)).float())
+                    losses.append(self._loss(batch).float())
         return mean_over(torch.stack(losses).mean(), self.dp_group).item()
 
     def _eval_and_log(self, bar) -> None:
@@ -272,7 +273,8 @@ class Trainer:
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
                 signalled = not last and self._stop_requested()
                 if self.checkpointer.due(self.step, last or exiting or signalled):
-                    self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel)
+                    self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel,
+                                           self.layout)
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
                 if exiting or signalled:
                     if signalled:
