@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from megalm.config import ModelConfig, OptimizerConfig, conf_dir
+from megalm.config import ModelConfig, OptimizerConfig, conf_dir, model_config_from
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
 from megalm.training.metrics import measure_matmul_peak
 from megalm.training.optim import build_optimizer, param_groups
@@ -55,8 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def model_config(args) -> ModelConfig:
-    node = OmegaConf.merge(OmegaConf.structured(ModelConfig),
-                           OmegaConf.load(Path(conf_dir()) / "model" / f"{args.model}.yaml"))
+    node = OmegaConf.structured(model_config_from(OmegaConf.load(Path(conf_dir()) / "model" / f"{args.model}.yaml")))
     overrides = dict(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
                      seq_length=args.seq, vocab_size=args.vocab)
     node = OmegaConf.merge(node, {k: v for k, v in overrides.items() if v is not None}, GPT2_ARCH)

@@ -11,6 +11,6 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 @pytest.fixture
 def tiny_model_cfg():
-    from megalm.config import ModelConfig
-    return ModelConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
+    from megalm.models.gpt import GPTConfig
+    return GPTConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                        vocab_size=100, make_vocab_size_divisible_by=8)

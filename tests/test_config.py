@@ -27,6 +27,8 @@ def group_files(group):
 BIG = "model=gpt_175b"
 EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.model=/tok.model"],
          ("model", "gpt_tiny"): ["data=mock"]}  # 256 ids: smaller than the default corpus's 8192-piece tokenizer
+# BERT reads mock data only until its sentence-split corpora are built.
+EXTRA.update({("model", n): ["data=mock"] for n in group_files("model") if n.startswith("bert_")})
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("model", "parallel", "optimizer", "data", "cluster")
@@ -38,6 +40,28 @@ def test_every_yaml_composes_and_validates(group, name):
     cfg = load(*overrides)
     assert getattr(cfg, group).name == name or group == "optimizer"
     validate(cfg, ranks_needed(cfg))
+
+
+@pytest.mark.parametrize("name", group_files("model"))
+def test_every_model_preset_is_typed_by_its_family_schema(name, tmp_path):
+    from megalm.config import load_config
+    from megalm.models import family_of
+    cfg = load(f"model={name}", *EXTRA.get(("model", name), []))
+    assert type(cfg.model) is family_of(cfg.model.arch).config
+    # A run's frozen config.yaml reads back as the same typed config.
+    (tmp_path / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg and type(again.model) is type(cfg.model)
+
+
+def test_a_model_of_another_schema_than_its_family_is_refused():
+    import dataclasses
+    from megalm.config import ModelConfig
+    cfg = load("model=gpt_tiny", "data=mock")
+    shared = {f.name: getattr(cfg.model, f.name) for f in dataclasses.fields(ModelConfig)}
+    cfg.model = ModelConfig(**shared)  # arch=gpt, but only the shared fields
+    with pytest.raises(ValueError, match=r"model.arch='gpt'.*ModelConfig.*GPTConfig"):
+        validate(cfg, 1)
 
 
 def test_there_are_presets_for_every_group():

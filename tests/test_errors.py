@@ -59,9 +59,13 @@ def steps_of(run_dir: Path):
     ("data.tokenizer.type=null", ["data.tokenizer.type=null", "quote it"]),
     ("trainer.max_steps=abc", ["trainer.max_steps=abc", "Integer"]),
     ("trainer.precision=fp64", ["trainer.precision='fp64' is not one of fp32, bf16, fp16, fp8"]),
+    # Each family's schema takes its own fields only.
+    ("model.binary_head=false", ["unknown key model.binary_head", "GPTConfig has", "tie_embeddings"]),
+    ("model=bert_tiny model.rope_theta=5e5", ["unknown key model.rope_theta", "BertConfig has", "norm_position"]),
+    ("model=bert_tiny model.norm_position=middle", ["model.norm_position='middle' is not one of pre, post"]),
 ])
 def test_config_mistakes_are_one_line(tmp_path, override, expected):
-    r = cli(*MOCK, override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    r = cli(*MOCK, *override.split(), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
     assert_megalm_error(r, "invalid config", *expected)
     assert not (tmp_path / "run" / "config.yaml").exists()
 

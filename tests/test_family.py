@@ -12,13 +12,14 @@ from torch import nn
 from megalm.errors import ConfigError
 from megalm.models import build_model, family_of, flops_per_token, init_weights
 from megalm.models.family import FAMILY_MODULES, Family
+from megalm.models.gpt import GPTConfig
 from megalm.training.sharded_state import model_entries
 
 
 class Toy(nn.Module):
     """A family's model with a 16-row padded vocabulary matrix and a plain 16-row one."""
 
-    def __init__(self, cfg, tp=1):
+    def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
         self.vocab = nn.Parameter(torch.empty(16, 4))
@@ -34,7 +35,7 @@ def _toy_init(model, cfg, seed):
 @pytest.fixture
 def toy_family(monkeypatch):
     module = types.ModuleType("toy_family")
-    module.FAMILY = Family(name="toy", build=Toy, init_weights=_toy_init,
+    module.FAMILY = Family(name="toy", config=GPTConfig, build=Toy, init_weights=_toy_init,
                            flops_per_token=lambda cfg, seq=None: 123.0, vocab_params=("vocab",))
     monkeypatch.setitem(sys.modules, "toy_family", module)
     monkeypatch.setitem(FAMILY_MODULES, "toy", "toy_family")

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from megalm.config import ModelConfig
+from megalm.models.gpt import GPTConfig
 from megalm.models import KVCache, build_model, flops_per_token, init_weights, matmul_params
 from megalm.parallel import materialize
 
@@ -17,7 +17,7 @@ VARIANTS = {
 }
 
 
-def make(cfg: ModelConfig, seed=0):
+def make(cfg: GPTConfig, seed=0):
     m = build_model(cfg)
     init_weights(m, cfg, seed)
     return m
@@ -100,7 +100,7 @@ def test_kv_cache_matches_full_forward(tiny_model_cfg, variant):
 def test_flops_formula_hand_count():
     # A hand count for a small config, written out term by term (not from the code):
     # h=64, heads=4 (hd=16), kv groups=2, swiglu ffn=128, L=3, V=1000 padded to 1024, s=32.
-    cfg = ModelConfig(name="f", num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+    cfg = GPTConfig(name="f", num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2,
                       ffn_hidden_size=128, seq_length=32, vocab_size=1000, make_vocab_size_divisible_by=128,
                       activation="swiglu")
     qkv = 64 * (4 * 16 + 2 * 2 * 16)     # 64 x 128
@@ -115,7 +115,7 @@ def test_flops_formula_hand_count():
 
 def test_flops_gpt3_175b_matches_paper_scale():
     # GPT-3 175B: 6N with N ~ 174.6e9 non-embedding parameters (+ head) → ~1.05e12 FLOPs/token.
-    cfg = ModelConfig(name="175b", num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
+    cfg = GPTConfig(name="175b", num_layers=96, hidden_size=12288, num_attention_heads=96, seq_length=2048,
                       vocab_size=50257)
     n_blocks = 96 * 12 * 12288 ** 2
     assert abs(matmul_params(cfg) - n_blocks) / n_blocks < 0.01

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.config import ModelConfig
 from megalm.models.family import FAMILY_MODULES, Family, Parts
 from megalm.models.losses import LMLoss
 
@@ -74,7 +75,7 @@ def tp_plan(cfg, tp, sp):
             ("out", ColumnParallel(rows=rows)), ("crit", VocabParallelLoss(rows))]
 
 
-FAMILY = Family(name="stacked", build=Stacked, init_weights=init, flops_per_token=lambda cfg, seq=None: 1.0,
+FAMILY = Family(name="stacked", config=ModelConfig, build=Stacked, init_weights=init, flops_per_token=lambda cfg, seq=None: 1.0,
                 tp_plan=tp_plan, inputs=("ids",), parts=Parts(layers="stack", first=("inp",), last=("out", "crit")),
                 vocab_params=("inp.weight", "out.weight"), tied=(("out.weight", "inp.weight"),))
 

@@ -18,10 +18,13 @@ from omegaconf import MISSING
 
 @dataclass
 class ModelConfig:
+    """The transformer fields every model family shares. A family's own schema extends it (GPT's:
+    megalm.models.gpt.GPTConfig) and a model preset names its schema first in its defaults
+    (`- gpt_schema`), so a preset accepts exactly its family's fields."""
     name: str = MISSING
     """Preset name, for logs and run directories."""
-    arch: str = "gpt"
-    """Model family: gpt (decoder-only)."""
+    arch: str = MISSING
+    """Model family (megalm.models.family): set by the family's schema."""
     num_layers: int = MISSING
     """Number of Transformer blocks."""
     hidden_size: int = MISSING
@@ -31,27 +34,21 @@ class ModelConfig:
     num_query_groups: Optional[int] = None
     """Key/value heads for grouped-query attention; None = num_attention_heads (plain MHA)."""
     ffn_hidden_size: Optional[int] = None
-    """MLP inner width; None = 4 * hidden_size (gelu) or the Llama rule 2/3 * 4h rounded up to 256 (swiglu)."""
+    """MLP inner width; None = 4 * hidden_size (gelu, gelu_exact) or the Llama rule 2/3 * 4h rounded up to 256 (swiglu)."""
     seq_length: int = MISSING
     """Tokens per training sample."""
     vocab_size: int = MISSING
     """Tokenizer vocabulary size; the embedding is padded up to make_vocab_size_divisible_by."""
     make_vocab_size_divisible_by: int = 128
     """Pad the embedding rows to a multiple of this (Megatron's default 128), for fast matmuls."""
-    position_embedding: str = "learned"
-    """learned | rope."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
     normalization: str = "layernorm"
     """layernorm | rmsnorm."""
     norm_eps: float = 1e-5
     """Epsilon of the normalization layers."""
     activation: str = "gelu"
-    """gelu | swiglu."""
+    """gelu (tanh approximation: GPT-2's) | gelu_exact (erf: BERT's, Megatron's default) | swiglu."""
     bias: bool = True
     """Biases in linear layers and LayerNorm (GPT-2/3: true, Llama: false)."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
     dropout: float = 0.0
     """Dropout on embeddings, attention-out and MLP-out (the hidden dropout)."""
     attention_dropout: float = 0.0
@@ -300,9 +297,45 @@ class Config:
 
 
 def register_configs() -> None:
-    """Register the schema so conf/config.yaml can put it first in its defaults list."""
+    """Register the schema so conf/config.yaml can put it first in its defaults list, and each
+    family's model schema as `model/<arch>_schema` for its presets to name."""
+    from megalm.models.family import family_names, family_of
     cs = ConfigStore.instance()
     cs.store(name="megalm_schema", node=Config)
+    for arch in family_names():
+        cs.store(group="model", name=f"{arch}_schema", node=family_of(arch).config)
+
+
+def model_config_from(section: Any) -> ModelConfig:
+    """A model section typed by its family's schema: a run's config.yaml `model:` (it names its
+    arch) or a conf/model preset (it names `<arch>_schema` in its defaults); neither: GPT, as
+    files from before families had schemas."""
+    from omegaconf import DictConfig, OmegaConf
+    from megalm.models.family import family_of
+    node = OmegaConf.create(OmegaConf.to_container(section) if isinstance(section, DictConfig) else section)
+    defaults = node.pop("defaults", None) or []
+    named = [str(d)[:-len("_schema")] for d in defaults if str(d).endswith("_schema")]
+    arch = node.get("arch") or (named[0] if named else "gpt")
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family_of(arch).config), node))
+
+
+def load_config(path: Any) -> Config:
+    """A run's frozen config.yaml as a Config, its model section typed by its family's schema."""
+    from omegaconf import OmegaConf
+    raw = OmegaConf.load(path)
+    model = model_config_from(raw.model) if "model" in raw else None
+    if model is not None:
+        del raw["model"]
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), raw)
+    if model is not None:
+        cfg.model = OmegaConf.structured(model)
+    return OmegaConf.to_object(cfg)
+
+
+def preset_yaml(model: ModelConfig) -> str:
+    """`model` as a conf/model preset: its family's schema first, then the values."""
+    from omegaconf import OmegaConf
+    return f"defaults:\n  - {model.arch}_schema\n  - _self_\n" + OmegaConf.to_yaml(OmegaConf.structured(model))
 
 
 def conf_dir() -> str:

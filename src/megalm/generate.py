@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Iterator, List, Optional
 
 import torch
-from omegaconf import OmegaConf
 
-from megalm.config import Config
+from megalm.config import Config, load_config
 from megalm.errors import ConfigError, DeviceError, MissingFileError, cli_errors
 
 PROG = "megalm.generate"
@@ -32,7 +31,7 @@ def load_run_config(run_dir: Path) -> Config:
     if not path.is_file():
         raise MissingFileError(f"{path} does not exist: point at a run directory written by megalm.train")
     try:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(path)))
+        return load_config(path)
     except Exception as e:  # YAML syntax, unknown keys and wrong types come as several omegaconf types
         raise ConfigError(f"{path} is not a megalm run config: {e}") from None
 

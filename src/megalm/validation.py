@@ -11,14 +11,14 @@ from typing import Any
 from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError, did_you_mean
-from megalm.models.family import family_names
+from megalm.models.family import family_names, family_of
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
 CHOICES = {
     "model.position_embedding": ("learned", "rope"),
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "swiglu"),
+    "model.activation": ("gelu", "gelu_exact", "swiglu"),
     "model.transformer_impl": ("local", "te"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
@@ -43,10 +43,16 @@ def _get(cfg: Any, dotted: str) -> Any:
 def validate(cfg: Config, world_size: int) -> None:
     """Check cross-field rules; raise ConfigError naming the values and what is allowed."""
     for key, allowed in {"model.arch": family_names(), **CHOICES}.items():  # families as registered now
+        if key.startswith("model.") and not hasattr(cfg.model, key[6:]):
+            continue  # a field of another family's schema
         value = _get(cfg, key)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}{did_you_mean(str(value), allowed)}")
     m, p, o, t = cfg.model, cfg.parallel, cfg.optimizer, cfg.trainer
+    family = family_of(m.arch)
+    if not isinstance(m, family.config):
+        raise ConfigError(f"model.arch={m.arch!r} but the model preset {m.name!r} is a {type(m).__name__}, not the "
+                          f"{family.config.__name__} of the {m.arch} family: choose a {m.arch} preset (model=...)")
 
     positive = {
         "model.num_layers": m.num_layers, "model.hidden_size": m.hidden_size,
@@ -88,8 +94,6 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(
             f"model.hidden_size={m.hidden_size} is not divisible by "
             f"model.num_attention_heads={m.num_attention_heads}")
-    if m.head_dim % 2 and m.position_embedding == "rope":
-        raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
     if m.num_attention_heads % m.kv_heads:
         raise ConfigError(
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
@@ -102,6 +106,8 @@ def validate(cfg: Config, world_size: int) -> None:
                 "(pip install 'megalm[te]'); use model.transformer_impl=local")
         raise ConfigError("model.transformer_impl=te is not wired into the model yet; use local")
 
+    if family.validate is not None:
+        family.validate(cfg, world_size)
     dims = parallel_dims(p, world_size)  # raises on a layout that does not fit the world
     for key, degree in (("model.num_attention_heads", m.num_attention_heads),
                         ("model.num_query_groups", m.kv_heads),  # hidden = heads x head_dim follows

@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -141,17 +141,23 @@ def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
 
 def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
                num_samples: Optional[Mapping[str, Optional[int]]] = None,
-               tokenizer: Optional[Tokenizer] = None) -> DataBundle:
+               tokenizer: Optional[Tokenizer] = None, samples: Optional[Any] = None) -> DataBundle:
     """The tokenizer and the train/valid(/test) datasets that `cfg` describes.
 
     num_samples: samples each split must provide ({"train": ..., "valid": ..., "test": ...}, see
     num_samples_for); a split left out (or None) gets one epoch of its documents. `tokenizer`: the
-    one build_data_tokenizer(cfg) gave, when the caller already has it.
+    one build_data_tokenizer(cfg) gave, when the caller already has it. `samples`: how the model
+    family makes its samples (Family.samples); None: GPT's packed token sequences.
     """
     requested = _requested(num_samples)
     cache_dir = Path(cfg.cache_dir).expanduser()
     if tokenizer is None:
         tokenizer = build_data_tokenizer(cfg)
+    if samples is not None:
+        if cfg.source != "mock":
+            return samples.corpus(cfg, tokenizer, seq_length, seed, requested, cache_dir)
+        sets = [samples.mock(tokenizer, seq_length, seed, name, requested[name] or None) for name in _SPLITS]
+        return DataBundle(tokenizer, sets[0], sets[1], sets[2])
     if cfg.source == "mock":
         sets = [MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name,
                                None if not requested[name] else requested[name]) for name in _SPLITS]

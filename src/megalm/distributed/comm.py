@@ -319,6 +319,12 @@ def gather_seq(x: Tensor, group, dim: int = 1) -> Tensor:
     return x if group_size(group) == 1 else _GatherSeq.apply(x, group, dim % x.dim())
 
 
+def gather_seq_replicated(x: Tensor, group, dim: int = 1) -> Tensor:
+    """SP exit to a replicated consumer (a pooler reading token 0): (B, T/tp, h) → (B, T, h) by
+    all-gather; every rank then computes the same gradient, so backward keeps this rank's chunk."""
+    return x if group_size(group) == 1 else _GatherDim.apply(x, group, dim % x.dim())
+
+
 def reduce_scatter_seq(x: Tensor, group, dim: int = 1) -> Tensor:
     """SP: partial (B, T, h) → summed (B, T/tp, h) chunk; backward all-gathers the gradient."""
     world = group_size(group)

@@ -17,6 +17,7 @@ from megalm.errors import ConfigError
 
 FAMILY_MODULES: Dict[str, str] = {
     "gpt": "megalm.models.gpt",
+    "bert": "megalm.models.bert",
 }
 """model.arch -> the module defining its FAMILY; a new family adds its line here."""
 
@@ -54,6 +55,9 @@ class Part:
 class Family:
     name: str
     """The model.arch value that selects it."""
+    config: type
+    """Its model schema: a dataclass extending megalm.config.ModelConfig (registered as
+    `model/<name>_schema`, which its presets name first in their defaults)."""
     build: Callable[..., Any]
     """(ModelConfig) -> the plain single-process model on the current default device, not
     initialised; vocabulary-sized layers padded for one process (the tp plan re-pads them)."""
@@ -61,6 +65,8 @@ class Family:
     """(model, ModelConfig, seed) -> None: fill every parameter from (seed, global name)."""
     flops_per_token: Callable[..., float]
     """(ModelConfig, seq_length or None) -> training FLOPs per token (megalm.models.flops)."""
+    validate: Optional[Callable[..., None]] = None
+    """(Config, world_size) -> None: the family's own config rules (ConfigErrors), after the shared ones."""
     tp_plan: Optional[Callable[..., Sequence[Tuple[str, Any]]]] = None
     """(ModelConfig, tp, sequence_parallel) -> [(module pattern, style)] of megalm.parallel.tp_plan;
     None: the family does not run tensor parallel."""
@@ -69,6 +75,14 @@ class Family:
     stage gets them); the model's `loss(output, batch)` reads the batch's other keys."""
     parts: Parts = Parts()
     """Its pipeline stages, ZeRO-3 units and recompute units."""
+    samples: Optional[Callable[..., Any]] = None
+    """(ModelConfig) -> how its training samples are made (megalm.data.build_data's `samples`: an
+    object with mock(tokenizer, seq_length, seed, split name, num_samples) -> a dataset, and
+    corpus(data config, tokenizer, seq_length, seed, num_samples per split, cache_dir) -> a
+    DataBundle); None: GPT's packed token sequences."""
+    hf: Optional[str] = None
+    """The module of its Hugging Face mapping (megalm.convert.hf says what it provides); None: no
+    conversion."""
     vocab_params: Tuple[str, ...] = ()
     """Parameters whose rows are the padded vocabulary: a checkpoint stores the real rows only."""
     tied: Tuple[Tuple[str, str], ...] = ()

@@ -7,20 +7,35 @@ are the same at every parallel layout: `blocks.7.attn.qkv.weight` is layer 7 eve
 
 from __future__ import annotations
 
-import hashlib
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.flops import flops_per_token
 from megalm.models.losses import LMLoss
-from megalm.models.layers import Block, Embedding, KVCache, build_norm, output_init_std, rope_tables
+from megalm.models.init import init_by_name
+from megalm.models.layers import Block, Embedding, KVCache, build_norm, rope_tables
 
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary
+
+
+@dataclass
+class GPTConfig(ModelConfig):
+    """GPT's model schema: the shared transformer fields and its own."""
+    arch: str = "gpt"
+    """gpt (decoder-only; GPT-2/3 and Llama-style presets)."""
+    position_embedding: str = "learned"
+    """learned | rope."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
+    tie_embeddings: bool = True
+    """Share the input embedding with the output head."""
 
 
 class GPT(nn.Module):
@@ -79,43 +94,10 @@ class GPT(nn.Module):
         return self.criterion(logits, batch["labels"], batch.get("loss_mask"))
 
 
-def _name_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-@torch.no_grad()
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
-    """Initialise every parameter from a generator keyed by (seed, global parameter name).
-
-    The same seed gives the same full model at any layout, whatever subset of parameters a rank
-    holds. Linear and embedding weights ~ N(0, init_std); residual output projections
-    (attn.proj, mlp.fc2) use init_std / sqrt(2 * num_layers) as GPT-2 does; norms get 1, biases 0.
-    """
-    out_std = output_init_std(cfg)
-    for name, p in model.named_parameters():
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "bias":
-            p.zero_()
-        elif ".norm" in f".{name}" and p.ndim == 1:
-            p.fill_(1.0)
-        else:
-            std = out_std if name.endswith(("attn.proj.weight", "mlp.fc2.weight")) else cfg.init_std
-            # A tensor-parallel shard (tagged `tp_shard` by megalm.parallel) draws the full tensor
-            # of its global name and keeps its own slice, so the weights do not depend on tp.
-            shard = getattr(p, "tp_shard", None)
-            shape = list(p.shape)
-            if shard is not None:
-                shape[shard.dim] *= shard.world
-            # The last pipeline stage's copy of a tied embedding draws as the embedding does.
-            key = getattr(p, "tied_copy_of", name)
-            g = torch.Generator(device="cpu").manual_seed(_name_seed(seed, key))
-            if key in VOCAB_PARAMS:  # draw the real rows only; padding rows (which vary with tp) are 0
-                full = torch.zeros(shape, dtype=torch.float32)
-                full[:cfg.vocab_size].normal_(0.0, std, generator=g)
-            else:
-                full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-            p.copy_(shard.local(full) if shard is not None else full)
+    """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual
+    output projections (attn.proj, mlp.fc2) init_std / sqrt(2 * num_layers), norms 1, biases 0."""
+    init_by_name(model, cfg, seed, VOCAB_PARAMS)
 
 
 def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
@@ -151,7 +133,13 @@ def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
     return plan
 
 
+def validate(cfg, world_size: int) -> None:
+    m = cfg.model
+    if m.head_dim % 2 and m.position_embedding == "rope":
+        raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
+
+
 FAMILY = Family(
-    name="gpt", build=GPT, init_weights=init_weights, flops_per_token=flops_per_token, tp_plan=tp_plan,
+    name="gpt", config=GPTConfig, build=GPT, init_weights=init_weights, validate=validate, flops_per_token=flops_per_token, tp_plan=tp_plan,
     parts=Parts(layers="blocks", first=("embed",), last=("norm", "head", "criterion"), selective=("attn.core",)),
-    vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))
+    hf="megalm.models.gpt_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))

@@ -57,19 +57,21 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads (arXiv:2305.13245) on SDPA."""
+    """Self-attention with grouped-query heads (arXiv:2305.13245) on SDPA: causal (decoders), or
+    bidirectional over the keys a padding mask keeps (encoders: `causal=False`)."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, causal: bool = True):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
-        self.core = AttentionCore(cfg.attention_dropout)
+        self.core = AttentionCore(cfg.attention_dropout, causal)
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[KVCache] = None, start: int = 0) -> torch.Tensor:
+                cache: Optional[KVCache] = None, start: int = 0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`mask`: (B, 1, 1, T) bool, the keys each query may attend to (bidirectional attention)."""
         qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd); T is the full sequence even when x is a shard
         B, T, width = qkv.shape
         # Head counts come from the width, so a tensor-parallel shard of qkv works unchanged.
@@ -84,27 +86,32 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, start, k, v)
-        y = self.core(q, k, v, start)  # (B, nh, T, hd)
+        y = self.core(q, k, v, start, mask) if mask is not None else self.core(q, k, v, start)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.dropout(self.proj(y))
 
 
 class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(hd)) v with the causal mask, on SDPA; no parameters.
+    """softmax(q k^T / sqrt(hd)) v with the causal mask, or (causal=False) a key mask, on SDPA;
+    no parameters.
 
     A module of its own so the parallel code can wrap it (dropout RNG stream, recomputation).
     """
 
-    def __init__(self, attention_dropout: float):
+    def __init__(self, attention_dropout: float, causal: bool = True):
         super().__init__()
-        self.attention_dropout = attention_dropout
+        self.attention_dropout, self.causal = attention_dropout, causal
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         T, S = q.shape[2], k.shape[2]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
+        if not self.causal:
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=self.attention_dropout if self.training else 0.0)
         if T > 1 and S != T:
             # A chunk after a cached prefix: query t sees every cached key and the chunk up to itself.
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
@@ -119,6 +126,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gated = cfg.activation == "swiglu"
+        self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
         width = cfg.ffn_size * (2 if self.gated else 1)
         self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
@@ -130,7 +138,7 @@ class MLP(nn.Module):
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
-            h = F.gelu(h, approximate="tanh")
+            h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.fc2(h))
 
 

@@ -35,6 +35,14 @@ class LMLoss(nn.Module):
     def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
         return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
 
+    @torch.no_grad()
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Whether each label's logit is the largest of the real vocabulary's (a tie counts), as a
+        float tensor of the labels' shape; IGNORE labels give 0."""
+        logits = logits.float()[..., :self.vocab_size]
+        target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return ((target >= logits.max(-1).values) & (labels != IGNORE)).float()
+
 
 def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if loss_mask is None:

@@ -76,12 +76,20 @@ class Pipeline:
     owner: List[int]  # global rank running each stage
     rank: int
     loss_scale: float = 1.0  # fp16: the trainer's current loss scale
+    metrics_fn: Optional[object] = None  # the model's metrics(output, batch), when it reports any
+    num_metrics: int = 0
+    last_metrics: Optional[torch.Tensor] = None
+    """The mean of the model's metrics over the last step's micro-batches, on every pp rank."""
     _batch: Optional[Dict[str, torch.Tensor]] = None  # the batch of the step in flight
+    _metrics: Optional[List[torch.Tensor]] = None
 
     def _micro_batch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The model's loss on the samples `index` of the batch in flight: the schedule splits a
         target tensor only, so it carries sample indices and the loss gathers the batch's fields."""
-        return self.loss_fn(output, {k: v[index] for k, v in self._batch.items()})
+        batch = {k: v[index] for k, v in self._batch.items()}
+        if self.metrics_fn is not None:
+            self._metrics.append(self.metrics_fn(output, batch))
+        return self.loss_fn(output, batch)
 
     def train_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,
@@ -92,7 +100,7 @@ class Pipeline:
     def step(self, batch: Dict[str, torch.Tensor], train: bool = True) -> torch.Tensor:
         """Run a batch (dict of (B, ...) tensors) split into the schedule's micro-batches; the mean
         loss on every pp rank."""
-        self._batch = batch
+        self._batch, self._metrics = batch, []
         try:
             if not train:
                 return self._forward_only(batch)
@@ -104,7 +112,7 @@ class Pipeline:
             # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
             return self._share([l.detach().float() * (self.n_microbatches / self.loss_scale) for l in losses])
         finally:
-            self._batch = None
+            self._batch = self._metrics = None
 
     @torch.no_grad()
     def _forward_only(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -132,9 +140,18 @@ class Pipeline:
         return self._share(losses)
 
     def _share(self, losses: List[torch.Tensor]) -> torch.Tensor:
-        loss = torch.stack(losses).mean() if self.has_last else torch.zeros(())
-        dist.broadcast(loss, src=self.last_rank, group=self.group)
-        return loss
+        """The mean loss (and metrics) of the micro-batches, from the last stage to every pp rank."""
+        if self.has_last:
+            values = torch.stack(losses).mean().reshape(1)
+            if self.num_metrics:
+                # The schedule's last stage computes one loss per micro-batch, after (on a first step)
+                # one more on placeholder tensors to infer the backward's shapes: the real ones are last.
+                values = torch.cat([values, torch.stack(self._metrics[-self.n_microbatches:]).mean(0).float()])
+        else:
+            values = torch.zeros(1 + self.num_metrics, device=self.stages[0].device)
+        dist.broadcast(values, src=self.last_rank, group=self.group)
+        self.last_metrics = values[1:] if self.num_metrics else None
+        return values[0]
 
 
 # Tensors a stage boundary may carry (activations, masks, ids), by their code on the wire.
@@ -185,8 +202,10 @@ def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_micro
              for s in range(num_stages)]
     pipeline = Pipeline(None, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
                         last_rank=owner[-1], group=group, loss_fn=model.loss, inputs=family.inputs,
-                        n_microbatches=n_microbatches,
-                        num_stages=num_stages, owner=owner, rank=dist.get_rank())
+                        n_microbatches=n_microbatches, num_stages=num_stages, owner=owner, rank=dist.get_rank())
+    names = getattr(model, "metric_names", ())
+    if names:
+        pipeline.metrics_fn, pipeline.num_metrics = model.metrics, len(names)
     if name in MULTI_STAGE:
         cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
                "zbv": pl.ScheduleZBVZeroBubble}[name]

@@ -28,9 +28,11 @@ from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import List, Optional, Sequence, Tuple
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
-from megalm.distributed.comm import scatter_seq
+from megalm.distributed.comm import gather_seq_replicated, scatter_seq
 from megalm.errors import ConfigError
 from megalm.models.losses import IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
@@ -81,6 +83,20 @@ class VocabParallelLMLoss(nn.Module):
                                               vocab_size=self.vocab_size, label_smoothing=self.label_smoothing,
                                               ignore_index=IGNORE)
         return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
+
+    @torch.no_grad()
+    def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """LMLoss.correct from vocabulary shards: the largest real logit is agreed with a max over
+        the ranks, the label's logit comes from the rank holding its column."""
+        logits = logits.float()
+        ids = self.vocab_start + torch.arange(logits.shape[-1], device=logits.device)
+        largest = logits.masked_fill(ids >= self.vocab_size, float("-inf")).max(-1).values
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=self.group)
+        local = labels - self.vocab_start
+        mine = (local >= 0) & (local < logits.shape[-1])
+        target = logits.gather(-1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1) * mine
+        dist.all_reduce(target, group=self.group)
+        return ((target >= largest) & (labels != IGNORE)).float()
 
 
 def _mark_sequence_parallel(module: nn.Module) -> None:
@@ -159,6 +175,16 @@ class ScatterSequence:
     def apply(self, module: nn.Module, ctx: TPContext) -> None:
         group = ctx.group
         module.register_forward_hook(lambda mod, args, out: scatter_seq(out, group))
+
+
+@dataclass(frozen=True)
+class GatherSequence:
+    """The module (replicated, reading the whole sequence: a pooler) takes sequence shards: gather
+    its input first (backward keeps this rank's chunk of the gradient)."""
+
+    def apply(self, module: nn.Module, ctx: TPContext) -> None:
+        group = ctx.group
+        module.register_forward_pre_hook(lambda mod, args: (gather_seq_replicated(args[0], group), *args[1:]))
 
 
 # -- applying a plan ----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, flops_per_token, init_weights
+    from megalm.models.family import family_of
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
@@ -63,8 +64,10 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
             log.warning("%s", why)
         return start.state.get("val_loss")
 
+    family = family_of(cfg.model.arch)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
-                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps))
+                      num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps),
+                      samples=family.samples(cfg.model) if family.samples is not None else None)
     model = build_model(cfg.model, device="meta")
     layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)

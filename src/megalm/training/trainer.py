@@ -6,7 +6,7 @@ import logging
 import math
 import signal
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from tqdm import tqdm
@@ -45,6 +45,7 @@ class Trainer:
         self.data_parallel = data_parallel
         from megalm.models import family_of
         self.inputs = family_of(model.cfg.arch).inputs  # the batch keys the model's forward takes
+        self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.metrics reports beside the loss
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
@@ -57,6 +58,7 @@ class Trainer:
         self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
                                        global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         self.val_loss: Optional[float] = None
+        self.val_metrics: Dict[str, float] = {}
         self.scaler = None
         if cfg.precision == "fp16":
             self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis,
@@ -102,8 +104,17 @@ class Trainer:
         """One batch of the micro-batches, for the pipeline schedule to split again the same way."""
         return {k: torch.cat([mb[k] for mb in micro_batches]) for k in micro_batches[0]}
 
-    def _loss(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.model.loss(self.model(*(batch[k] for k in self.inputs)), batch)
+    def _loss(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The model's loss on a batch, and its metrics (None when it reports none)."""
+        output = self.model(*(batch[k] for k in self.inputs))
+        return self.model.loss(output, batch), (self.model.metrics(output, batch) if self.metric_names else None)
+
+    def _named(self, values: Optional[torch.Tensor], prefix: str = "") -> Dict[str, float]:
+        """The model's metrics, averaged over dp, by name."""
+        if values is None:
+            return {}
+        values = mean_over(values, self.dp_group)
+        return {prefix + name: v for name, v in zip(self.metric_names, values.tolist())}
 
     def train_step(self) -> Dict[str, float]:
         self.model.train()
@@ -111,18 +122,23 @@ class Trainer:
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
+        extra = torch.zeros(len(self.metric_names), device=self.device) if self.metric_names else None
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
             with self._autocast():
                 total = self.pipeline.step(self._joined(micro_batches))
+            extra = self.pipeline.last_metrics
         else:
             for batch in micro_batches:
                 with self._autocast():
-                    loss = self._loss(batch) / len(micro_batches)
+                    loss, values = self._loss(batch)
+                    loss = loss / len(micro_batches)
                 (loss * scale if scale != 1.0 else loss).backward()
                 total += loss.detach()
+                if values is not None:
+                    extra += values / len(micro_batches)
         if self.data_parallel is not None:
             self.data_parallel.finish()  # wait for the dp reductions; sum tp / embedding replicas
         overflow = False
@@ -142,7 +158,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.throughput.add(self.cfg.global_batch_size * micro_batches[0][self.inputs[0]].shape[1])  # tokens a sample
-        out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item()}
+        out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item(),
+               **self._named(extra)}
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
         return out
@@ -174,32 +191,40 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over the same eval_steps global batches of validation data every time."""
+        """Mean loss over the same eval_steps global batches of validation data every time (the
+        model's metrics, averaged the same way, in `val_metrics`)."""
         from megalm.data import MicroBatchLoader
         self.model.eval()
         loader = MicroBatchLoader(self.data.valid, micro_batch_size=self.cfg.micro_batch_size,
                                   global_batch_size=self.cfg.global_batch_size,
                                   dp_rank=self.dp_rank, dp_size=self.dp_size)
-        losses = []
+        losses, extras = [], []
         for _ in range(self.cfg.eval_steps):
             micro_batches = self._batches(loader)
             if self.pipeline is not None:
                 with self._autocast():
                     losses.append(self.pipeline.step(self._joined(micro_batches), train=False))
+                extras.append(self.pipeline.last_metrics)
                 continue
             for batch in micro_batches:
                 with self._autocast():
-                    losses.append(self._loss(batch).float())
+                    loss, values = self._loss(batch)
+                losses.append(loss.float())
+                extras.append(values)
+        self.val_metrics = self._named(torch.stack(extras).mean(0) if self.metric_names else None, "val_")
         return mean_over(torch.stack(losses).mean(), self.dp_group).item()
 
     def _eval_and_log(self, bar) -> None:
         if self.cfg.eval_steps == 0:
             return
         self.val_loss = self.evaluate()
-        record = {"step": self.step, "val_loss": self.val_loss, "val_ppl": math.exp(min(self.val_loss, 50.0))}
+        record = {"step": self.step, "val_loss": self.val_loss, "val_ppl": math.exp(min(self.val_loss, 50.0)),
+                  **self.val_metrics}
         self.metrics.write(record)
         if self.is_rank0:
-            log.info("step %d: validation loss %.4f (perplexity %.1f)", self.step, self.val_loss, record["val_ppl"])
+            extra = "".join(f", {k[4:]} {v:.4f}" for k, v in self.val_metrics.items())
+            log.info("step %d: validation loss %.4f (perplexity %.1f%s)", self.step, self.val_loss, record["val_ppl"],
+                     extra)
 
     # -- the loop --------------------------------------------------------------------------------
     def _peak_memory(self) -> Dict[str, Any]:

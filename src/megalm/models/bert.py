@@ -1,0 +1,253 @@
+"""BERT as Megatron builds it (arXiv:1810.04805; Megatron-LM, arXiv:1909.08053), single-device code.
+
+Token, learned position and token-type embeddings; bidirectional self-attention over the keys
+the padding mask keeps; pre-LN blocks and a final norm by default (Megatron), post-LN as an
+option (`norm_position=post`: the original BERT and Hugging Face's, with a norm after the
+embeddings instead of a final one). Heads: a pooler (token 0 -> dense -> tanh), the MLM head
+(dense -> GELU -> norm -> output tied to the word embeddings, with a bias) and, by default, the
+binary sentence-order head (Linear(h, 2) on the pooled output). The loss is the masked mean of
+the MLM cross-entropy plus, with the binary head, the sentence-order cross-entropy.
+
+Layers live in a ModuleDict keyed by global index, and the embedding / heads may be absent on a
+pipeline stage, so parameter names are the same at every layout (as GPT's). A stage after the
+first takes and returns (hidden states, padding mask).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalm.config import ModelConfig
+from megalm.errors import ConfigError
+from megalm.models.family import Family, Part, Parts
+from megalm.models.init import init_by_name
+from megalm.models.layers import MLP, Attention, build_norm
+from megalm.models.losses import LMLoss
+
+VOCAB_PARAMS = ("embed.tok.weight", "lm_head.out.weight", "lm_head.out.bias")  # rows = padded vocabulary
+NORM_POSITIONS = ("pre", "post")
+
+
+@dataclass
+class BertConfig(ModelConfig):
+    """BERT's model schema: the shared transformer fields and its own."""
+    arch: str = "bert"
+    """bert (bidirectional encoder, masked-LM pretraining)."""
+    activation: str = "gelu_exact"
+    """gelu_exact (erf, as Megatron's and Hugging Face's BERT) | gelu (tanh approximation) | swiglu."""
+    num_tokentypes: int = 2
+    """Token-type (segment) embeddings: 2 for sentence pairs, 0 for none."""
+    binary_head: bool = True
+    """The sentence-order prediction head and loss (Megatron's --bert-binary-head; samples then hold two segments)."""
+    norm_position: str = "pre"
+    """pre (Megatron: norm before each sub-layer, a final norm) | post (original BERT / Hugging Face)."""
+
+
+class BertEmbedding(nn.Module):
+    def __init__(self, cfg: BertConfig, vocab_rows: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.tok = nn.Embedding(vocab_rows, h)
+        self.pos = nn.Embedding(cfg.seq_length, h)
+        self.types = nn.Embedding(cfg.num_tokentypes, h) if cfg.num_tokentypes > 0 else None
+        self.norm = build_norm(cfg) if cfg.norm_position == "post" else None
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, tokens: torch.Tensor, token_types: Optional[torch.Tensor]) -> torch.Tensor:
+        T = tokens.shape[1]
+        if T > self.pos.num_embeddings:
+            raise ValueError(f"sequence of {T} tokens exceeds model.seq_length={self.pos.num_embeddings}")
+        x = self.tok(tokens) + self.pos(torch.arange(T, device=tokens.device))
+        if self.types is not None:
+            x = x + self.types(token_types)
+        if self.norm is not None:
+            x = self.norm(x)
+        return self.drop(x)
+
+
+class BertLayer(nn.Module):
+    """Pre-LN: x + attn(norm1(x)), then x + mlp(norm2(x)); post-LN: norm1(x + attn(x)), norm2(x + mlp(x))."""
+
+    def __init__(self, cfg: BertConfig, layer_idx: int):
+        super().__init__()
+        self.post = cfg.norm_position == "post"
+        self.norm1, self.norm2 = build_norm(cfg), build_norm(cfg)
+        self.attn = Attention(cfg, layer_idx, causal=False)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.post:
+            x = self.norm1(x + self.attn(x, None, None, 0, mask))
+            return self.norm2(x + self.mlp(x))
+        x = x + self.attn(self.norm1(x), None, None, 0, mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class Pooler(nn.Module):
+    """tanh(dense(hidden of token 0)): the sequence summary the binary head (and classifiers) read."""
+
+    def __init__(self, h: int):
+        super().__init__()
+        self.dense = nn.Linear(h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class MLMHead(nn.Module):
+    """dense -> GELU (exact, or tanh with activation=gelu) -> norm -> logits over the vocabulary
+    (weight tied to the word embeddings, with a bias)."""
+
+    def __init__(self, cfg: BertConfig, vocab_rows: int):
+        super().__init__()
+        h = cfg.hidden_size
+        self.dense = nn.Linear(h, h)
+        self.approximate = "tanh" if cfg.activation == "gelu" else "none"
+        self.norm = build_norm(cfg)
+        self.out = nn.Linear(h, vocab_rows, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(F.gelu(self.dense(x), approximate=self.approximate)))
+
+
+class BERT(nn.Module):
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.cfg = cfg
+        V, h = cfg.padded_vocab_size, cfg.hidden_size  # tp_plan pads further for tensor parallelism
+        self.embed: Optional[BertEmbedding] = BertEmbedding(cfg, V)
+        self.blocks = nn.ModuleDict({str(i): BertLayer(cfg, i) for i in range(cfg.num_layers)})
+        self.norm: Optional[nn.Module] = build_norm(cfg) if cfg.norm_position == "pre" else None
+        self.pooler: Optional[Pooler] = Pooler(h)
+        self.lm_head: Optional[MLMHead] = MLMHead(cfg, V)
+        self.lm_head.out.weight = self.embed.tok.weight
+        self.binary_head: Optional[nn.Linear] = nn.Linear(h, 2) if cfg.binary_head else None
+        self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
+        self.metric_names: Tuple[str, ...] = ("lm_loss", "mlm_acc") + (("sop_loss", "sop_acc") if cfg.binary_head else ())
+        """What `metrics` reports beside the loss (the trainer logs them)."""
+
+    def forward(self, *inputs: torch.Tensor, part: Optional[Part] = None):
+        """(tokens, token_types, padding_mask), each (B, T) → (MLM logits (B, T, V), sentence-order
+        logits (B, 2)), or the MLM logits alone without the binary head.
+
+        With `part` (a pipeline stage) only its layers run: a stage after the first takes
+        (hidden (B, T, h), padding_mask), and one before the last returns them.
+        """
+        first, last = part is None or part.first, part is None or part.last
+        if first:
+            tokens, token_types, padding_mask = inputs
+            x = self.embed(tokens, token_types)  # (B, T, h), or this rank's sequence shard under SP
+        else:
+            x, padding_mask = inputs
+        mask = padding_mask.bool()[:, None, None, :]  # (B, 1, 1, T): the real tokens, as keys
+        blocks = self.blocks.values() if part is None else [self.blocks[str(i)] for i in part.layers]
+        for block in blocks:
+            x = block(x, mask)
+        if not last:
+            return x, padding_mask
+        if self.norm is not None:
+            x = self.norm(x)
+        logits = self.lm_head(x)  # (B, T, V), or this rank's vocabulary shard under TP
+        if self.binary_head is None:
+            return logits
+        return logits, self.binary_head(self.pooler(x))
+
+    def loss(self, output, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """Masked mean of the MLM loss over the masked positions, plus the sentence-order loss."""
+        logits, order = (output, None) if self.binary_head is None else output
+        loss = self.criterion(logits, batch["labels"], batch["loss_mask"])
+        if order is not None:
+            loss = loss + F.cross_entropy(order.float(), batch["is_random"])
+        return loss
+
+
+    @torch.no_grad()
+    def metrics(self, output, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """`metric_names`' values on one micro-batch: the MLM loss and the fraction of masked
+        tokens predicted right; with the binary head, the sentence-order loss and accuracy."""
+        logits, order = (output, None) if self.binary_head is None else output
+        mask = batch["loss_mask"].float()
+        right = (self.criterion.correct(logits, batch["labels"]) * mask).sum() / mask.sum().clamp(min=1.0)
+        values = [self.criterion(logits, batch["labels"], mask), right]
+        if order is not None:
+            order = order.float()
+            values += [F.cross_entropy(order, batch["is_random"]),
+                       (order.argmax(-1) == batch["is_random"]).float().mean()]
+        return torch.stack([v.float() for v in values])
+
+
+def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:
+    """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual
+    output projections init_std / sqrt(2 * num_layers) (Megatron's scaled init), norms 1, biases 0."""
+    init_by_name(model, cfg, seed, VOCAB_PARAMS)
+
+
+def flops_per_token(cfg: BertConfig, seq_length: Optional[int] = None) -> float:
+    """megalm.models.flops's definition, with BERT's MLM head: its dense (h x h) and the output
+    (h x V_padded) matmuls on every token (the pooler and binary head act on one token a sequence)."""
+    from megalm.models.flops import flops_per_token as transformer
+    h = cfg.hidden_size
+    return transformer(cfg, seq_length) + 6.0 * h * h
+
+
+def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
+    """Megatron's layout for BERT: the blocks as GPT's (column-parallel QKV and first MLP linear,
+    row-parallel output and second linear), the embedding, MLM output and loss vocabulary-parallel;
+    pooler, MLM dense / norm and binary head replicated. Under sequence parallelism the MLM dense
+    and norm run on sequence shards (their gradients are partial), and the pooler gathers the
+    sequence to read token 0, as Megatron's BertModel does."""
+    from megalm.parallel.tp_plan import (ColumnParallel, GatherSequence, RowParallel, ScatterSequence,
+                                         SequenceParallelParams, TPRandom, VocabParallel, VocabParallelLoss)
+    rows = cfg.padded_vocab(tp)
+    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
+    plan: List[Tuple[str, object]] = [("embed.tok", VocabParallel(rows))]
+    if sp:  # positions, token types, dropout on the full (replicated) sequence, then this rank's part
+        plan += [("embed", ScatterSequence())]
+    plan += [
+        ("blocks.*.attn.qkv", ColumnParallel(segments=(q, kv, kv))),
+        ("blocks.*.attn.proj", RowParallel()),
+        ("blocks.*.attn.core", TPRandom()),  # attention dropout over this rank's heads
+        ("blocks.*.mlp.fc1", ColumnParallel(segments=(f, f) if cfg.activation == "swiglu" else None)),
+        ("blocks.*.mlp.fc2", RowParallel()),
+    ]
+    if sp:
+        plan += [(f"blocks.*.{name}", TPRandom()) for name in ("attn.dropout", "mlp.dropout")]
+        plan += [(name, SequenceParallelParams())
+                 for name in ("blocks.*.norm1", "blocks.*.norm2", "norm", "lm_head.dense", "lm_head.norm")]
+        plan += [("pooler", GatherSequence())]
+    plan += [("lm_head.out", ColumnParallel(rows=rows)), ("criterion", VocabParallelLoss(rows))]
+    return plan
+
+
+def validate(cfg, world_size: int) -> None:
+    m = cfg.model
+    if cfg.data.source != "mock":
+        raise ConfigError(f"data.source={cfg.data.source!r}: BERT trains on sentence-split corpora, which megalm's "
+                          "data pipeline does not read yet; use data=mock")
+    if m.norm_position not in NORM_POSITIONS:
+        raise ConfigError(f"model.norm_position={m.norm_position!r} is not one of {', '.join(NORM_POSITIONS)}")
+    if m.num_tokentypes < 0:
+        raise ConfigError(f"model.num_tokentypes={m.num_tokentypes} must not be negative")
+    if m.binary_head and m.num_tokentypes < 2:
+        raise ConfigError(f"model.binary_head=true reads sentence pairs, which need model.num_tokentypes >= 2 "
+                          f"(it is {m.num_tokentypes}); set model.binary_head=false or model.num_tokentypes=2")
+
+
+def samples(cfg: BertConfig):
+    """How BERT's training samples are made (megalm.data.bert_dataset)."""
+    from megalm.data.bert_dataset import BertSamples
+    return BertSamples(cfg)
+
+
+FAMILY = Family(
+    name="bert", config=BertConfig, build=BERT, init_weights=init_weights, flops_per_token=flops_per_token,
+    validate=validate, tp_plan=tp_plan, inputs=("tokens", "token_types", "padding_mask"),
+    parts=Parts(layers="blocks", first=("embed",), last=("norm", "pooler", "lm_head", "binary_head", "criterion"),
+                selective=("attn.core",)),
+    samples=samples,
+    hf="megalm.models.bert_hf", vocab_params=VOCAB_PARAMS, tied=(("lm_head.out.weight", "embed.tok.weight"),))
