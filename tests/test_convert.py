@@ -207,7 +207,8 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_h
 
 
 @pytest.mark.parametrize("hf,match", [
-    (dict(model_type="bert"), r"model_type='bert'.*allowed: 'gpt2'.*'llama'"),
+    (dict(model_type="t5"), r"model_type='t5'.*allowed: 'gpt2'.*'llama'.*'bert' \(BertForPreTraining\)"),
+    (dict(model_type="bert", position_embedding_type="relative_key"), r"position_embedding_type='relative_key'"),
     (dict(LLAMA_HF, hidden_act="gelu"), r"hidden_act='gelu'.*allowed: 'silu'"),
     (dict(LLAMA_HF, rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_type='llama3'.*'default'"),
     (dict(LLAMA_HF, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}), r"rope_type='yarn'.*'default'"),
@@ -380,3 +381,54 @@ def test_import_refuses_weights_that_do_not_fit_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(config, n_layer=3)))
     with pytest.raises(DataError, match=r"lack transformer.h.2.ln_1.weight"):
         import_from_hf(tmp_path, tmp_path / "c")
+
+
+# -- BERT: BertForPreTraining, post-LN ----------------------------------------------------------
+
+def _bert_batch(seed=2):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (2, T), generator=g)
+    types = torch.randint(0, 2, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, 11:] = 0  # padding in the second sample: the key mask matters
+    return tokens, types, mask
+
+
+@pytest.mark.parametrize("hidden_act", ["gelu", "gelu_new"])
+def test_bert_import_matches_transformers_and_round_trips(tmp_path, hidden_act):
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=48, max_position_embeddings=T, type_vocab_size=2,
+                                     hidden_act=hidden_act, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    hf = transformers.BertForPreTraining(config).eval()
+    _randomize(hf)
+    hf.save_pretrained(hf_dir)
+    tokens, types, mask = _bert_batch()
+    with torch.no_grad():
+        want = hf(input_ids=tokens, token_type_ids=types, attention_mask=mask)
+
+    out, cfg = import_from_hf(hf_dir, ckpt, name="bert_imported")
+    assert (cfg.arch, cfg.norm_position, cfg.activation) == ("bert", "post", {"gelu": "gelu_exact"}.get(hidden_act, "gelu"))
+    model = _megalm_from(ckpt / "step_00000000", cfg)
+    with torch.no_grad():
+        logits, order = model(tokens, types, mask)
+    real = mask.bool()  # HF computes the padded positions too; they mean nothing
+    torch.testing.assert_close(logits[..., :V][real], want.prediction_logits[real], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(order, want.seq_relationship_logits, rtol=1e-4, atol=1e-4)
+
+    # And back: the export loads in transformers and gives the same logits.
+    export_to_hf(ckpt, back, config=ckpt / "config.yaml")
+    again = transformers.BertForPreTraining.from_pretrained(back).eval()
+    with torch.no_grad():
+        got = again(input_ids=tokens, token_type_ids=types, attention_mask=mask)
+    torch.testing.assert_close(got.prediction_logits[real], want.prediction_logits[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.seq_relationship_logits, want.seq_relationship_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bert_export_refuses_the_pre_ln_layout():
+    from megalm.models.bert import BertConfig
+    cfg = BertConfig(name="b", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, vocab_size=V)
+    with pytest.raises(UnsupportedArchitecture, match=r"model.norm_position='pre' cannot be represented as "
+                                                      r"BertForPreTraining.*allowed: 'post'"):
+        export_arch(cfg)

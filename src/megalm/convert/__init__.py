@@ -2,8 +2,9 @@
 
 export: a megalm checkpoint (run dir, checkpoint dir or step folder, written at any parallel
 layout) → a Hugging Face folder (config.json + model.safetensors) that transformers loads as
-GPT2LMHeadModel or LlamaForCausalLM. import: such a folder → a megalm checkpoint dir that
-training starts from with checkpoint.load=DIR. The weight mapping lives in megalm.convert.hf.
+GPT2LMHeadModel, LlamaForCausalLM or BertForPreTraining. import: such a folder → a megalm
+checkpoint dir that training starts from with checkpoint.load=DIR. The weight mapping is the
+model family's (Family.hf); megalm.convert.hf applies it.
 """
 
 from megalm.convert.hf import (UnsupportedArchitecture, export_arch, export_to_hf, hf_config, import_from_hf,

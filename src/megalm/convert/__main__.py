@@ -19,7 +19,8 @@ EPILOG = """examples:
   python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true
 
 GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama
-style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM; anything else is refused."""
+style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM, post-LN BERT to
+BertForPreTraining; anything else is refused."""
 
 
 def build_parser() -> argparse.ArgumentParser:
