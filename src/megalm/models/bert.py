@@ -129,7 +129,7 @@ class BERT(nn.Module):
         self.binary_head: Optional[nn.Linear] = nn.Linear(h, 2) if cfg.binary_head else None
         self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
         self.metric_names: Tuple[str, ...] = ("lm_loss", "mlm_acc") + (("sop_loss", "sop_acc") if cfg.binary_head else ())
-        """What `metrics` reports beside the loss (the trainer logs them)."""
+        """What `loss_and_metrics` reports beside the loss (the trainer logs them)."""
 
     def forward(self, *inputs: torch.Tensor, part: Optional[Part] = None):
         """(tokens, token_types, padding_mask), each (B, T) → (MLM logits (B, T, V), sentence-order
@@ -159,26 +159,23 @@ class BERT(nn.Module):
 
     def loss(self, output, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """Masked mean of the MLM loss over the masked positions, plus the sentence-order loss."""
-        logits, order = (output, None) if self.binary_head is None else output
-        loss = self.criterion(logits, batch["labels"], batch["loss_mask"])
-        if order is not None:
-            loss = loss + F.cross_entropy(order.float(), batch["is_random"])
-        return loss
+        return self.loss_and_metrics(output, batch)[0]
 
-
-    @torch.no_grad()
-    def metrics(self, output, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """`metric_names`' values on one micro-batch: the MLM loss and the fraction of masked
-        tokens predicted right; with the binary head, the sentence-order loss and accuracy."""
+    def loss_and_metrics(self, output, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The loss, and `metric_names`' values on this micro-batch (detached): the MLM loss and the
+        fraction of masked tokens predicted right; with the binary head, the sentence-order loss
+        and accuracy."""
         logits, order = (output, None) if self.binary_head is None else output
         mask = batch["loss_mask"].float()
-        right = (self.criterion.correct(logits, batch["labels"]) * mask).sum() / mask.sum().clamp(min=1.0)
-        values = [self.criterion(logits, batch["labels"], mask), right]
+        lm = self.criterion(logits, batch["labels"], mask)
+        loss, values = lm, [lm.detach()]
+        with torch.no_grad():
+            values.append((self.criterion.correct(logits, batch["labels"]) * mask).sum() / mask.sum().clamp(min=1.0))
         if order is not None:
-            order = order.float()
-            values += [F.cross_entropy(order, batch["is_random"]),
-                       (order.argmax(-1) == batch["is_random"]).float().mean()]
-        return torch.stack([v.float() for v in values])
+            sop = F.cross_entropy(order.float(), batch["is_random"])
+            loss = loss + sop
+            values += [sop.detach(), (order.argmax(-1) == batch["is_random"]).float().mean()]
+        return loss, torch.stack([v.float() for v in values])
 
 
 def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:

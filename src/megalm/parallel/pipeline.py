@@ -76,7 +76,7 @@ class Pipeline:
     owner: List[int]  # global rank running each stage
     rank: int
     loss_scale: float = 1.0  # fp16: the trainer's current loss scale
-    metrics_fn: Optional[object] = None  # the model's metrics(output, batch), when it reports any
+    metrics_fn: Optional[object] = None  # the model's loss_and_metrics(output, batch), when it reports any
     num_metrics: int = 0
     last_metrics: Optional[torch.Tensor] = None
     """The mean of the model's metrics over the last step's micro-batches, on every pp rank."""
@@ -87,9 +87,11 @@ class Pipeline:
         """The model's loss on the samples `index` of the batch in flight: the schedule splits a
         target tensor only, so it carries sample indices and the loss gathers the batch's fields."""
         batch = {k: v[index] for k, v in self._batch.items()}
-        if self.metrics_fn is not None:
-            self._metrics.append(self.metrics_fn(output, batch))
-        return self.loss_fn(output, batch)
+        if self.metrics_fn is None:
+            return self.loss_fn(output, batch)
+        loss, values = self.metrics_fn(output, batch)
+        self._metrics.append(values)
+        return loss
 
     def train_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,
@@ -205,7 +207,7 @@ def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_micro
                         n_microbatches=n_microbatches, num_stages=num_stages, owner=owner, rank=dist.get_rank())
     names = getattr(model, "metric_names", ())
     if names:
-        pipeline.metrics_fn, pipeline.num_metrics = model.metrics, len(names)
+        pipeline.metrics_fn, pipeline.num_metrics = model.loss_and_metrics, len(names)
     if name in MULTI_STAGE:
         cls = {"interleaved_1f1b": pl.ScheduleInterleaved1F1B, "interleaved_zb": pl.ScheduleInterleavedZeroBubble,
                "zbv": pl.ScheduleZBVZeroBubble}[name]

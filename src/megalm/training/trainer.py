@@ -45,7 +45,7 @@ class Trainer:
         self.data_parallel = data_parallel
         from megalm.models import family_of
         self.inputs = family_of(model.cfg.arch).inputs  # the batch keys the model's forward takes
-        self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.metrics reports beside the loss
+        self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.loss_and_metrics reports
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
@@ -107,7 +107,9 @@ class Trainer:
     def _loss(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The model's loss on a batch, and its metrics (None when it reports none)."""
         output = self.model(*(batch[k] for k in self.inputs))
-        return self.model.loss(output, batch), (self.model.metrics(output, batch) if self.metric_names else None)
+        if self.metric_names:
+            return self.model.loss_and_metrics(output, batch)
+        return self.model.loss(output, batch), None
 
     def _named(self, values: Optional[torch.Tensor], prefix: str = "") -> Dict[str, float]:
         """The model's metrics, averaged over dp, by name."""
