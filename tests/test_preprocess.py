@@ -21,8 +21,9 @@ from megalm.data import (HuggingFaceTokenizer, IndexedDataset, build_data, build
 from megalm.data import preprocess as pp
 from megalm.data.provenance import (check_corpus_tokenizer, describe, read_provenance, sidecar_path,
                                    tokenizer_record)
+from megalm.data.sentences import split_sentences
 from megalm.data.train_tokenizer import train as train_tokenizer
-from megalm.errors import DataError
+from megalm.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
 NASTY = ("def f(x):\n\tif x:\n\t\treturn  x   \n\n\n    # trailing   \r\n"
@@ -397,3 +398,146 @@ def test_preprocess_and_train_with_a_hf_tokenizer(jsonl, texts, tmp_path):
                       num_samples={"train": 200, "valid": 10})
     assert data.tokenizer.identity == tok.identity and len(data.train) >= 200
     assert data.train[0].shape == (65,) and data.train[199].max() < tok.vocab_size
+
+
+# ---------------------------------------------------------------- sentence splitting (--split-sentences)
+
+def test_split_sentences_keeps_abbreviations_joins_wrapped_lines_and_stops_at_blank_lines():
+    text = ("Dr. Smith arrived at\nnoon. He left at 3 p.m. on Friday, said Mr. Jones.\n\nNotes\n \t\n"
+            "- first item\r\n\r\n  The U.S. economy grew.   It was 4.5 percent.\n\n\n")
+    want = ["Dr. Smith arrived at noon.", "He left at 3 p.m. on Friday, said Mr. Jones.", "Notes", "- first item",
+            "The U.S. economy grew.", "It was 4.5 percent."]
+    assert split_sentences(text) == want
+    assert split_sentences(text) == want  # the same text, the same sentences
+    assert split_sentences("") == split_sentences(" \n\n\t") == split_sentences("\x00\x01") == []
+
+
+def test_split_sentences_without_blingfire_says_what_to_install(monkeypatch, jsonl, sp_cfg, tmp_path):
+    monkeypatch.setitem(sys.modules, "blingfire", None)  # import blingfire now raises ImportError
+    with pytest.raises(ConfigError, match=r"pip install 'megalm\[sentences\]'"):
+        split_sentences("One. Two.")
+    with pytest.raises(ConfigError, match=r"pip install 'megalm\[sentences\]'"):
+        pp.preprocess([str(jsonl)], str(tmp_path / "s"), tokenizer=sp_cfg, split_sentences=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def sentence_docs(texts, tmp_path_factory):
+    """Documents for splitting: prose, the stdlib texts (two empty), and one that splits into nothing."""
+    docs = ["Dr. Smith arrived at\nnoon. He left at 3 p.m.\n\nHeading\n\nA new paragraph. And more.",
+            "\x00\x01 \x02",  # blingfire drops control characters: no sentence, skipped as empty
+            "Only one sentence here"] + texts[:80]
+    path = tmp_path_factory.mktemp("sent") / "docs.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    return path, docs
+
+
+def expected_sentences(docs, tok, append_eod):
+    """Per kept document: the ids of each non-empty sentence, straight from split_sentences + encode."""
+    out = []
+    for text in docs:
+        seqs = [ids for ids in (tok.encode(s) for s in split_sentences(text)) if ids]
+        if seqs:
+            if append_eod:
+                seqs[-1] = seqs[-1] + [tok.eod]
+            out.append(seqs)
+    return out
+
+
+@pytest.mark.parametrize("append_eod", [False, True])
+def test_split_sentences_writes_one_sequence_per_sentence(sentence_docs, sp_cfg, tmp_path, append_eod):
+    path, docs = sentence_docs
+    tok = build_tokenizer(sp_cfg)
+    stats = pp.preprocess([str(path)], str(tmp_path / "s"), tokenizer=sp_cfg, append_eod=append_eod,
+                          split_sentences=True, chunk_mb=0.01)
+    prefix = tmp_path / "s_text_sentence"
+    assert stats.outputs == {"text": str(prefix)} and pp.output_prefix_for("x", "text", True) == "x_text_sentence"
+    assert sorted(p.name for p in tmp_path.iterdir()) == \
+        [f"s_text_sentence{s}" for s in (".bin", ".idx", ".megalm.json")]
+    want = expected_sentences(docs, tok, append_eod)
+    ds = IndexedDataset(prefix)
+    assert [ds[i].tolist() for i in range(len(ds))] == [seq for doc in want for seq in doc]
+    assert ds.doc_idx.tolist() == np.cumsum([0] + [len(doc) for doc in want]).tolist()
+    assert ds.num_documents == len(want) < len(ds)  # several sentences per document
+    assert want[0] == [tok.encode(s) + ([tok.eod] if append_eod and k == 4 else []) for k, s in enumerate(
+        ["Dr. Smith arrived at noon.", "He left at 3 p.m.", "Heading", "A new paragraph.", "And more."])]
+    sentences = [s for text in docs for s in split_sentences(text)]
+    decoded = [tok.decode(ds[i][:-1] if append_eod and i + 1 in ds.doc_idx else ds[i]) for i in range(len(ds))]
+    assert decoded == [s for s in sentences if tok.encode(s)]
+    # eod exactly at the end of each document's last sentence, nowhere else
+    eod_at = np.flatnonzero(np.asarray(ds.tokens) == tok.eod).tolist()
+    assert eod_at == ((ds.document_offsets()[1:] - 1).tolist() if append_eod else [])
+    # counts: documents, not sentences (one record splits into nothing, two are empty texts)
+    assert stats.documents == len(docs) and stats.skipped_empty == {"text": 3}
+    assert stats.written == {"text": len(want)} and stats.sequences == {"text": len(ds)}
+    assert stats.tokens["text"] == ds.num_tokens
+    record = read_provenance(prefix)
+    assert (record["documents"], record["sentences"], record["tokens"]) == (len(want), len(ds), ds.num_tokens)
+
+
+def test_split_sentences_is_byte_identical_for_any_workers_and_megatron_reads_it(sentence_docs, sp_dir, sp_cfg,
+                                                                                  tmp_path):
+    path, _ = sentence_docs
+    pp.preprocess([str(path)], str(tmp_path / "w1"), tokenizer=sp_cfg, append_eod=True, split_sentences=True,
+                  workers=1, chunk_mb=0.01)
+    r = cli("--input", path, "--output-prefix", tmp_path / "w2", "--tokenizer-model", sp_dir / "tokenizer.model",
+            "--append-eod", "--split-sentences", "--workers", "2", "--chunk-mb", "0.01")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert re.search(r"w2_text_sentence: \d+ documents \(\d+ sentences\)", r.stderr)
+    assert files_of(tmp_path / "w1_text_sentence") == files_of(tmp_path / "w2_text_sentence")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexed
+    ours, theirs = IndexedDataset(tmp_path / "w1_text_sentence"), MIndexed(str(tmp_path / "w1_text_sentence"))
+    assert theirs.sequence_lengths.tolist() == ours.sizes.tolist()
+    assert theirs.document_indices.tolist() == ours.doc_idx.tolist()
+    assert len(theirs) == len(ours) > ours.num_documents
+    assert all(theirs[i].tolist() == ours[i].tolist() for i in range(len(ours)))
+
+
+def test_merging_sentence_outputs_keeps_every_document_boundary(sentence_docs, sp_cfg, tmp_path):
+    path, _ = sentence_docs
+    lines = path.read_text().splitlines(keepends=True)
+    (tmp_path / "part1.jsonl").write_text("".join(lines[:30]))
+    (tmp_path / "part2.jsonl").write_text("".join(lines[30:]))
+    for k in (1, 2):
+        pp.preprocess([str(tmp_path / f"part{k}.jsonl")], str(tmp_path / f"p{k}"), tokenizer=sp_cfg,
+                      append_eod=True, split_sentences=True)
+    pp.preprocess([str(tmp_path / "part*.jsonl")], str(tmp_path / "whole"), tokenizer=sp_cfg, append_eod=True,
+                  split_sentences=True)
+    merged = pp.merge([str(tmp_path / "p1_text_sentence"), str(tmp_path / "p2_text_sentence")],
+                      str(tmp_path / "merged"))
+    a, b = IndexedDataset(tmp_path / "p1_text_sentence"), IndexedDataset(tmp_path / "p2_text_sentence")
+    assert merged.doc_idx.tolist() == a.doc_idx.tolist() + (b.doc_idx[1:] + len(a)).tolist()
+    assert merged.num_documents == a.num_documents + b.num_documents and len(merged) > merged.num_documents
+    assert files_of(tmp_path / "merged") == files_of(tmp_path / "whole_text_sentence")
+    assert read_provenance(tmp_path / "merged")["documents"] == merged.num_documents
+
+
+def test_writer_takes_documents_of_several_sequences(tmp_path):
+    from megalm.data import IndexedDatasetWriter
+    with IndexedDatasetWriter(tmp_path / "w") as w:
+        w.add_document([7])
+        w.add_documents(np.arange(6), [2, 1, 3], sequences_per_document=[2, 1])
+        w.add_documents(np.arange(3), [1, 2])  # one sequence per document
+        with pytest.raises(DataError, match="at least one sequence and add up to the 2 sequences"):
+            w.add_documents(np.arange(3), [1, 2], sequences_per_document=[3])
+        with pytest.raises(DataError, match="at least one sequence"):
+            w.add_documents(np.arange(3), [1, 2], sequences_per_document=[0, 2])
+        assert (w.num_documents, w.num_sequences) == (5, 6)
+    ds = IndexedDataset(tmp_path / "w")
+    assert ds.sizes.tolist() == [1, 2, 1, 3, 1, 2] and ds.doc_idx.tolist() == [0, 1, 3, 4, 5, 6]
+    assert ds.get_document(1).tolist() == [0, 1, 2] and ds.get_document(2).tolist() == [3, 4, 5]
+
+
+def test_sentences_that_tokenize_to_nothing_are_dropped(sp_cfg, tmp_path, monkeypatch):
+    """split_sentences never gives a blank sentence, but a tokenizer may still map a sentence to no
+    ids: such sentences are left out, and a document of nothing else is skipped as empty."""
+    from megalm.data import sentences
+    monkeypatch.setattr(sentences, "split_sentences", lambda text: text.split("|"))  # keeps "" sentences
+    (tmp_path / "in.jsonl").write_text('{"text": "One.||Two."}\n{"text": "|"}\n{"text": "Three."}\n')
+    stats = pp.preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "s"), tokenizer=sp_cfg, append_eod=True,
+                          split_sentences=True)
+    tok, ds = build_tokenizer(sp_cfg), IndexedDataset(tmp_path / "s_text_sentence")
+    assert [ds[i].tolist() for i in range(len(ds))] == [tok.encode("One."), tok.encode("Two.") + [tok.eod],
+                                                       tok.encode("Three.") + [tok.eod]]
+    assert ds.doc_idx.tolist() == [0, 2, 3]
+    assert (stats.written, stats.sequences, stats.skipped_empty) == ({"text": 2}, {"text": 3}, {"text": 1})

@@ -109,6 +109,9 @@ def _check_dtype(dtype) -> np.dtype:
 class IndexedDatasetWriter:
     """Streams documents into `<prefix>.bin`/`.idx`; only the lengths stay in memory.
 
+    A document is one sequence (add_document) or several (add_documents with
+    sequences_per_document: one sequence per sentence, as Megatron's --split-sentences writes).
+
     Both files are written under temporary names; finalize() renames .bin and then .idx into
     place, so a reader never finds an .idx whose .bin is incomplete. Use as a context manager
     to finalize on success and discard the temporaries on error.
@@ -121,6 +124,7 @@ class IndexedDatasetWriter:
         fd, self._bin_tmp = _temp_file(self.bin_path)
         self._bin = os.fdopen(fd, "wb")
         self._sizes = array("q")
+        self._doc_idx = array("q", [0])  # sequence index where each document starts, then the end
         self._done = False
         info = np.iinfo(self._dtype) if self._dtype.kind in "iu" else np.finfo(self._dtype)
         self._lo, self._hi = info.min, info.max
@@ -131,6 +135,10 @@ class IndexedDatasetWriter:
 
     @property
     def num_documents(self) -> int:
+        return len(self._doc_idx) - 1
+
+    @property
+    def num_sequences(self) -> int:
         return len(self._sizes)
 
     def _check_range(self, arr: np.ndarray) -> None:
@@ -150,20 +158,36 @@ class IndexedDatasetWriter:
             raise DataError(f"a document of {arr.size} tokens exceeds the format's int32 length")
         self._bin.write(arr.astype(self._dtype, copy=False).tobytes())
         self._sizes.append(arr.size)
+        self._doc_idx.append(len(self._sizes))
 
-    def add_documents(self, tokens: np.ndarray, lengths: Sequence[int]) -> None:
-        """Append several documents at once: `tokens` is their ids back to back, `lengths` their sizes."""
+    def add_documents(self, tokens: np.ndarray, lengths: Sequence[int],
+                      sequences_per_document: Optional[Sequence[int]] = None) -> None:
+        """Append several documents at once: `tokens` is their ids back to back, `lengths` the sequence sizes.
+
+        Without `sequences_per_document` each sequence is a document; with it, document d is the
+        next sequences_per_document[d] sequences (at least one each; they must add up to len(lengths)).
+        """
         tokens = np.asarray(tokens)
         lengths = np.asarray(lengths, dtype=np.int64)
         if tokens.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != tokens.size or \
                 (lengths.size and lengths.min() < 0):
-            raise DataError(f"{lengths.size} document lengths summing to {int(lengths.sum())} do not "
+            raise DataError(f"{lengths.size} sequence lengths summing to {int(lengths.sum())} do not "
                             f"describe {tokens.size} tokens")
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise DataError(f"a document of {lengths.max()} tokens exceeds the format's int32 length")
+            raise DataError(f"a sequence of {lengths.max()} tokens exceeds the format's int32 length")
+        if sequences_per_document is not None:
+            counts = np.asarray(sequences_per_document, dtype=np.int64)
+            if counts.ndim != 1 or int(counts.sum()) != lengths.size or (counts.size and counts.min() < 1):
+                raise DataError(f"sequences_per_document (sum {int(counts.sum())}, smallest "
+                                f"{int(counts.min()) if counts.size else None}) must give each document at "
+                                f"least one sequence and add up to the {lengths.size} sequences given")
         self._check_range(tokens)
         self._bin.write(tokens.astype(self._dtype, copy=False).tobytes())
+        first = len(self._sizes)
         self._sizes.extend(lengths.tolist())
+        ends = (first + np.arange(1, lengths.size + 1) if sequences_per_document is None
+                else first + np.cumsum(counts))
+        self._doc_idx.extend(ends.tolist())
 
     def finalize(self) -> None:
         if self._done:
@@ -173,8 +197,7 @@ class IndexedDatasetWriter:
         self._bin.close()
         sizes = np.frombuffer(self._sizes, dtype=np.int64) if self._sizes else np.zeros(0, np.int64)
         try:
-            idx_tmp = _write_index(self.idx_path, self._dtype, sizes,
-                                   np.arange(sizes.size + 1))  # one sequence per document
+            idx_tmp = _write_index(self.idx_path, self._dtype, sizes, np.frombuffer(self._doc_idx, dtype=np.int64))
         except BaseException:
             Path(self._bin_tmp).unlink(missing_ok=True)
             self._done = True

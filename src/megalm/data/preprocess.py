@@ -8,7 +8,11 @@
 
 Inputs are JSON lines (one object per line; each --json-keys key holds a document, written to
 `{prefix}_{key}_document.bin/.idx` as Megatron's tools/preprocess_data.py names them) or plain
-text (--text-document: one document per paragraph, line or file), optionally gzipped. The input
+text (--text-document: one document per paragraph, line or file), optionally gzipped. With
+--split-sentences (for BERT) each document is split into sentences (`megalm.data.sentences`) and
+each sentence is one sequence of its document, in `{prefix}_{key}_sentence.bin/.idx`; --append-eod
+then ends each document's last sentence with eod, and sentences that tokenize to nothing are left
+out (a document left with none is skipped as empty). The input
 streams through in chunks of about --chunk-mb of raw bytes; with --workers N a process pool parses
 and tokenizes the chunks while the main process writes the results in input order, so the output
 is byte for byte the same for any N and memory stays bounded by the chunks in flight. Documents
@@ -38,12 +42,13 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
 from megalm.config import TokenizerConfig
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, merge_datasets
+from megalm.data import sentences
 from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance, write_record
 from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
 from megalm.data.workers import Workers
@@ -84,6 +89,8 @@ class PreprocessStats:
     """Tokens written per key (eod included)."""
     written: Dict[str, int] = field(default_factory=dict)
     """Documents written per key."""
+    sequences: Dict[str, int] = field(default_factory=dict)
+    """Sequences written per key: the sentences with --split-sentences, else one per document."""
     skipped_empty: Dict[str, int] = field(default_factory=dict)
     """Documents per key that tokenized to nothing and were left out."""
     outputs: Dict[str, str] = field(default_factory=dict)
@@ -202,10 +209,12 @@ def read_chunks(files: Sequence[Path], *, input_format: str = "auto", text_docum
 _STATE: Dict[str, Any] = {}
 
 
-def _init_worker(tok_cfg: dict, keys: Tuple[str, ...], append_eod: bool, num_threads: int) -> None:
+def _init_worker(tok_cfg: dict, keys: Tuple[str, ...], append_eod: bool, num_threads: int,
+                 split_sentences: bool = False) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false" if num_threads == 1 else "true")
     tokenizer = build_tokenizer(TokenizerConfig(**tok_cfg))
-    _STATE.update(tokenizer=tokenizer, keys=keys, append_eod=append_eod, num_threads=num_threads)
+    _STATE.update(tokenizer=tokenizer, keys=keys, append_eod=append_eod, num_threads=num_threads,
+                  split_sentences=split_sentences)
 
 
 def _texts_of(chunk: Chunk, keys: Tuple[str, ...]) -> Dict[str, List[Any]]:
@@ -236,11 +245,11 @@ def _texts_of(chunk: Chunk, keys: Tuple[str, ...]) -> Dict[str, List[Any]]:
     return texts
 
 
-def _encode(tokenizer: Tokenizer, strings: List[str], chunk: Chunk, key: str, values: List[Any]) -> List[List[int]]:
+def _encode(tokenizer: Tokenizer, strings: List[str], chunk: Chunk, key: str, lines: List[int]) -> List[List[int]]:
+    """The ids of each string; `lines` holds the input line of each, to name in an error."""
     try:
         return tokenizer.encode_batch(strings, num_threads=_STATE["num_threads"])
     except ValueError:  # find the document to blame
-        lines = [n for n, v in zip(chunk.lines, values) if isinstance(v, str)]
         for line, text in zip(lines, strings):
             try:
                 tokenizer.encode(text)
@@ -249,45 +258,76 @@ def _encode(tokenizer: Tokenizer, strings: List[str], chunk: Chunk, key: str, va
         raise
 
 
-def encode_chunk(chunk: Chunk) -> Dict[str, Tuple[np.ndarray, np.ndarray, int]]:
-    """key -> (tokens back to back, document lengths, empty documents skipped)."""
+class Encoded(NamedTuple):
+    """One key's part of a chunk, ready for IndexedDatasetWriter.add_documents."""
+    tokens: np.ndarray
+    """The ids of all sequences back to back (eod included)."""
+    lengths: np.ndarray
+    """Tokens per sequence."""
+    sequences_per_document: Optional[np.ndarray]
+    """Sequences (sentences) of each document with --split-sentences; None: one sequence per document."""
+    empty: int
+    """Documents skipped because they tokenized to nothing."""
+
+    @property
+    def documents(self) -> int:
+        return self.lengths.size if self.sequences_per_document is None else self.sequences_per_document.size
+
+
+def _sequences_of(chunk: Chunk, key: str, values: List[Any], tokenizer: Tokenizer,
+                  split: bool) -> Tuple[List[List[int]], np.ndarray]:
+    """The ids of every sequence of the documents in `values`, and the document (0-based) of each."""
+    parts = [(sentences.split_sentences(v) if split else [v]) if isinstance(v, str) else None for v in values]
+    strings = [text for p in parts if p is not None for text in p]  # whole documents, or their sentences
+    lines = [line for line, p in zip(chunk.lines, parts) if p is not None for _ in p]
+    encoded = iter(_encode(tokenizer, strings, chunk, key, lines) if strings else [])
+    seqs: List[List[int]] = []
+    seq_doc: List[int] = []
+    for d, (line, v, p) in enumerate(zip(chunk.lines, values, parts)):
+        if p is not None:
+            seqs += [next(encoded) for _ in p]
+            seq_doc += [d] * len(p)
+        elif tokenizer.identity.startswith("null:") and all(type(i) is int for i in v):
+            seqs.append(list(v))  # pre-tokenized ids as a JSON list: one sequence, even when splitting
+            seq_doc.append(d)
+        else:
+            raise PreprocessError(f"{chunk.file}:{line}: {key!r} holds a list; only the null tokenizer "
+                                  "takes ids, and only integers")
+    return seqs, np.asarray(seq_doc, dtype=np.int64)
+
+
+def encode_chunk(chunk: Chunk) -> Dict[str, Encoded]:
+    """key -> the chunk's documents of that key, tokenized (split into sentences with --split-sentences)."""
     tokenizer: Tokenizer = _STATE["tokenizer"]
-    keys, append_eod = _STATE["keys"], _STATE["append_eod"]
+    keys, append_eod, split = _STATE["keys"], _STATE["append_eod"], _STATE.get("split_sentences", False)
     out = {}
     for key, values in _texts_of(chunk, keys).items():
-        strings = [v for v in values if isinstance(v, str)]
-        encoded = iter(_encode(tokenizer, strings, chunk, key, values) if strings else [])
-        docs: List[List[int]] = []
-        for line, v in zip(chunk.lines, values):
-            if isinstance(v, str):
-                docs.append(next(encoded))
-            elif tokenizer.identity.startswith("null:") and all(type(i) is int for i in v):
-                docs.append(list(v))  # pre-tokenized ids as a JSON list
-            else:
-                raise PreprocessError(f"{chunk.file}:{line}: {key!r} holds a list; only the null tokenizer "
-                                      "takes ids, and only integers")
-        lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
-        keep = lengths > 0
-        empty = int((~keep).sum())
-        flat = np.fromiter(itertools.chain.from_iterable(docs), dtype=np.int64, count=int(lengths.sum()))
+        seqs, seq_doc = _sequences_of(chunk, key, values, tokenizer, split)
+        lengths = np.fromiter((len(q) for q in seqs), dtype=np.int64, count=len(seqs))
+        flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
         if flat.size and (flat.max() >= tokenizer.vocab_size or flat.min() < 0):
             bad_pos = int(np.flatnonzero((flat >= tokenizer.vocab_size) | (flat < 0))[0])
-            doc = int(np.searchsorted(np.cumsum(lengths), bad_pos, side="right"))
-            raise PreprocessError(f"{chunk.file}:{chunk.lines[doc]}: token id {int(flat[bad_pos])} in {key!r} is "
-                                  f"outside the vocabulary of {tokenizer.vocab_size} ids")
-        lengths = lengths[keep]
+            seq = int(np.searchsorted(np.cumsum(lengths), bad_pos, side="right"))
+            raise PreprocessError(f"{chunk.file}:{chunk.lines[seq_doc[seq]]}: token id {int(flat[bad_pos])} in "
+                                  f"{key!r} is outside the vocabulary of {tokenizer.vocab_size} ids")
+        keep = lengths > 0  # sequences (documents, or sentences) of no tokens are left out
+        lengths, seq_doc = lengths[keep], seq_doc[keep]
+        per_doc = np.bincount(seq_doc, minlength=len(values))
+        empty = int((per_doc == 0).sum())
+        per_doc = per_doc[per_doc > 0]
         if append_eod and lengths.size:
-            ends = np.cumsum(lengths)
-            flat = np.insert(flat, ends, tokenizer.eod)
-            lengths = lengths + 1
-        out[key] = (flat, lengths, empty)
+            last = np.cumsum(per_doc) - 1  # the last sequence of each document
+            flat = np.insert(flat, np.cumsum(lengths)[last], tokenizer.eod)
+            lengths[last] += 1
+        out[key] = Encoded(flat, lengths, per_doc if split else None, empty)
     return out
 
 
 # ---------------------------------------------------------------- the pipeline
 
-def output_prefix_for(output_prefix: str, key: str) -> str:
-    return f"{output_prefix}_{key}_document"
+def output_prefix_for(output_prefix: str, key: str, split_sentences: bool = False) -> str:
+    """Megatron's output names: `{prefix}_{key}_document`, or `{prefix}_{key}_sentence` when splitting."""
+    return f"{output_prefix}_{key}_{'sentence' if split_sentences else 'document'}"
 
 
 def _open_writer(prefix: str, dtype) -> IndexedDatasetWriter:
@@ -311,8 +351,11 @@ def _require_documents(files: Sequence[Path], keys: Sequence[str], stats: Prepro
 def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: TokenizerConfig,
                json_keys: Sequence[str] = ("text",), append_eod: bool = False, workers: int = 1,
                input_format: str = "auto", text_document: str = "paragraph", chunk_mb: float = 1.0,
-               progress: Optional[bool] = None) -> PreprocessStats:
-    """Tokenize the inputs into `{output_prefix}_{key}_document.bin/.idx` for each key; return counts."""
+               progress: Optional[bool] = None, split_sentences: bool = False) -> PreprocessStats:
+    """Tokenize the inputs into `{output_prefix}_{key}_document.bin/.idx` for each key; return counts.
+
+    split_sentences: one sequence per sentence, into `{output_prefix}_{key}_sentence.bin/.idx`.
+    """
     files = expand_inputs(inputs)
     keys = tuple(json_keys)
     if not keys or len(set(keys)) != len(keys):
@@ -322,20 +365,24 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
         raise ConfigError(f"plain-text inputs hold one document stream; --json-keys {list(keys)} names several")
     if workers < 1:
         raise ConfigError(f"--workers {workers} must be at least 1")
+    if split_sentences:
+        sentences.split_sentences("")  # fails fast, before any worker starts, when blingfire is missing
     tok_cfg = dataclasses.asdict(tokenizer)
     main_tok = build_tokenizer(tokenizer)  # fails fast on a bad model, and gives the dtype
     dtype = best_dtype(main_tok.vocab_size)
     stats = PreprocessStats()
-    stats.outputs = {k: output_prefix_for(output_prefix, k) for k in keys}
+    stats.outputs = {k: output_prefix_for(output_prefix, k, split_sentences) for k in keys}
     stats.tokens = {k: 0 for k in keys}
     stats.written = {k: 0 for k in keys}
+    stats.sequences = {k: 0 for k in keys}
     stats.skipped_empty = {k: 0 for k in keys}
     total_bytes = sum(f.stat().st_size for f in files) if not any(f.name.endswith(".gz") for f in files) else None
     chunks = read_chunks(files, input_format=input_format, text_document=text_document,
                          chunk_bytes=max(1, int(chunk_mb * (1 << 20))))
-    log.info("preprocess: %d file(s), %s, tokenizer %s (%d ids, %s), %d worker(s) -> %s", len(files),
+    log.info("preprocess: %d file(s), %s, tokenizer %s (%d ids, %s), %d worker(s)%s -> %s", len(files),
              f"{total_bytes / 1e6:.1f} MB" if total_bytes is not None else "gzipped", main_tok.identity,
-             main_tok.vocab_size, dtype, workers, ", ".join(stats.outputs.values()))
+             main_tok.vocab_size, dtype, workers, ", splitting sentences" if split_sentences else "",
+             ", ".join(stats.outputs.values()))
     from tqdm import tqdm
     bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="preprocess", dynamic_ncols=True,
                disable=(not sys.stderr.isatty()) if progress is None else not progress)
@@ -345,11 +392,12 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
         writers = {k: stack.enter_context(_open_writer(stats.outputs[k], dtype)) for k in keys}
 
         def take(chunk_bytes: int, chunk_docs: int, result) -> None:
-            for k, (flat, lengths, empty) in result.items():
-                writers[k].add_documents(flat, lengths)
-                stats.tokens[k] += int(flat.size)
-                stats.written[k] += int(lengths.size)
-                stats.skipped_empty[k] += empty
+            for k, enc in result.items():
+                writers[k].add_documents(enc.tokens, enc.lengths, enc.sequences_per_document)
+                stats.tokens[k] += int(enc.tokens.size)
+                stats.written[k] += enc.documents
+                stats.sequences[k] += int(enc.lengths.size)
+                stats.skipped_empty[k] += enc.empty
             stats.documents += chunk_docs
             stats.bytes += chunk_bytes
             bar.update(chunk_bytes)
@@ -357,7 +405,7 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
             bar.set_postfix(docs=stats.documents, docs_s=f"{stats.documents / max(elapsed, 1e-9):.0f}",
                             refresh=False)
 
-        init = (tok_cfg, keys, append_eod, 1)
+        init = (tok_cfg, keys, append_eod, 1, split_sentences)
         if workers == 1:
             _init_worker(*init)
             for chunk in chunks:
@@ -381,7 +429,8 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
         for k in keys:  # an older run's record must not outlive the files it described
             sidecar_path(stats.outputs[k]).unlink(missing_ok=True)
     for k in keys:  # after the .bin/.idx are in place
-        write_provenance(stats.outputs[k], main_tok, documents=stats.written[k], tokens=stats.tokens[k])
+        counts: Dict[str, int] = {"sentences": stats.sequences[k]} if split_sentences else {}
+        write_provenance(stats.outputs[k], main_tok, documents=stats.written[k], tokens=stats.tokens[k], **counts)
     stats.seconds = time.perf_counter() - start
     for k in keys:
         if stats.skipped_empty[k]:
@@ -389,7 +438,9 @@ def preprocess(inputs: Sequence[str], output_prefix: str, *, tokenizer: Tokenize
                         stats.skipped_empty[k], k)
     log.info("preprocess: %d documents, %.1f MB in %.1f s: %.0f docs/s, %.2f MB/s; %s", stats.documents,
              stats.bytes / 1e6, stats.seconds, stats.docs_per_s, stats.mb_per_s,
-             "; ".join(f"{stats.outputs[k]}: {stats.written[k]} documents, {stats.tokens[k]} tokens" for k in keys))
+             "; ".join(f"{stats.outputs[k]}: {stats.written[k]} documents"
+                       + (f" ({stats.sequences[k]} sentences)" if split_sentences else "")
+                       + f", {stats.tokens[k]} tokens" for k in keys))
     return stats
 
 
@@ -454,6 +505,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-prefix", required=True, help="output path prefix (merge: the full output prefix)")
     p.add_argument("--json-keys", nargs="+", default=["text"], help="JSON fields to tokenize, one output each")
     p.add_argument("--append-eod", action="store_true", help="end every document with the tokenizer's eod id")
+    p.add_argument("--split-sentences", action="store_true",
+                   help="one sequence per sentence (for BERT), into {prefix}_{key}_sentence; needs blingfire")
     p.add_argument("--workers", type=int, default=1, help="tokenizing processes")
     p.add_argument("--tokenizer-type", default="sentencepiece",
                    help=f"{' | '.join(TOKENIZER_TYPES)} (Megatron's names work too)")
@@ -515,7 +568,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             signal.signal(signal.SIGINT, _note_stop)
             preprocess(args.input, args.output_prefix, tokenizer=tokenizer_config(args), json_keys=args.json_keys,
                        append_eod=args.append_eod, workers=args.workers, input_format=args.input_format,
-                       text_document=args.text_document, chunk_mb=args.chunk_mb, progress=args.progress)
+                       text_document=args.text_document, chunk_mb=args.chunk_mb, progress=args.progress,
+                       split_sentences=args.split_sentences)
             return 0
         except KeyboardInterrupt:
             print(f"{PROG}: interrupted; no output was written", file=sys.stderr)
