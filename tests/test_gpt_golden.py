@@ -5,8 +5,10 @@ four fixed GPT runs (single with dropout, tp2 + sequence parallel Llama-style, p
 dp2 ZeRO-3), recorded by `python tests/test_gpt_golden.py --record` from the code before the
 refactor. They are the code's own output on purpose: the claim under test is "unchanged", not
 "right" (the layout tests prove right). The comparison is bit for bit with MEGALM_GOLDEN_EXACT=1,
-on the kind of machine that recorded them; by default relative 1e-6, because another CPU's matmul
-kernels may round differently, while a refactor that changes the math moves these runs by far more.
+on the kind of machine that recorded them; by default relative 1e-6 on losses and 1e-5 on gradient
+norms, because another CPU's matmul kernels may round differently (an AMD EPYC moved the tp2 Llama
+run's last gradient norm by 6.1e-6 and every loss by under 1e-7), while a refactor that changes the
+math moves these runs by far more.
 """
 
 import json
@@ -81,8 +83,9 @@ def test_gpt_runs_are_where_they_were(measured, name):
     exact = os.environ.get("MEGALM_GOLDEN_EXACT") == "1"
     for key, values in golden.items():
         for step, (want, have) in enumerate(zip(values, got[key]), 1):
+            tol = 1e-5 if key == "grad_norm" else 1e-6
             assert math.isfinite(have) and (have == want if exact else
-                                            math.isclose(have, want, rel_tol=1e-6)), (name, key, step, have, want)
+                                            math.isclose(have, want, rel_tol=tol)), (name, key, step, have, want)
 
 
 if __name__ == "__main__":
