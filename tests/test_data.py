@@ -212,8 +212,9 @@ def test_split_documents():
     assert split_documents(100, "98,2,0") == [range(0, 98), range(98, 100), range(100, 100)]
     assert split_documents(10, "1,1") == [range(0, 5), range(5, 10), range(10, 10)]
     assert split_documents(7, "4,2,1") == [range(0, 4), range(4, 6), range(6, 7)]
-    # Megatron's rounding: each part rounds on its own, then the boundaries shift to end at N.
-    assert split_documents(10, "1,1,1") == [range(0, 4), range(4, 7), range(7, 10)]
+    # megatron-core's rounding: each cumulative bookend (0, 1/3, 2/3, 1) rounds on its own
+    # (tests/test_megatron_core_data.py checks it against megatron-core itself).
+    assert split_documents(10, "1,1,1") == [range(0, 3), range(3, 7), range(7, 10)]
     assert split_documents(1000, "949,50,1") == [range(0, 949), range(949, 999), range(999, 1000)]
     with pytest.raises(ValueError, match="data.split"):
         split_documents(10, "1,x")

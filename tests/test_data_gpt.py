@@ -253,8 +253,10 @@ def test_blend_of_a_million_keeps_the_shares_and_matches_the_reference():
 
 
 def test_per_dataset_sizes_have_megatrons_margin():
-    assert per_dataset_samples([0.3, 0.7], 1000) == [math.ceil(0.3 * 1000 * 1.005), math.ceil(0.7 * 1000 * 1.005)]
+    # megatron-core's ceil(ceil(w * N) * 1.005) (against megatron-core itself: tests/test_megatron_core_data.py)
+    assert per_dataset_samples([0.3, 0.7], 1000) == [math.ceil(300 * 1.005), math.ceil(700 * 1.005)]
     assert per_dataset_samples([1, 3], 400) == [101, 302]
+    assert per_dataset_samples([0.3, 0.7], 1001) == [math.ceil(301 * 1.005), math.ceil(701 * 1.005)] == [303, 705]
 
 
 def test_blend_forms_and_bad_weights():
@@ -319,7 +321,8 @@ def test_build_data_blends_with_megatron_sizes(tmp_path, two_corpora):
     assert wanted == {"train": 400, "valid": 3 * 2 * 8, "test": 16}
     data = build_data(cfg, seq_length=16, seed=3, num_samples=wanted)
     assert data.test is None and isinstance(data.train, BlendedDataset)
-    assert len(data.train) == 400 and len(data.valid) == 48
+    # megatron-core's blend holds sum(ceil(w * N)) samples: 120 + 280 = 400 and 15 + 34 = 49 (> 48)
+    assert len(data.train) == 400 and len(data.valid) == 49
     parts = data.train.datasets
     assert [p.num_samples for p in parts] == [math.ceil(0.3 * 400 * 1.005), math.ceil(0.7 * 400 * 1.005)]
     assert all(len(p) >= p.num_samples for p in parts)

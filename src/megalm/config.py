@@ -194,9 +194,11 @@ class TokenizerConfig:
     vocab_size: int = 8192
     """Vocabulary when training a tokenizer, or the id range of the null tokenizer."""
     eod_token: Optional[str] = None
-    """huggingface: the end-of-document token; None = the first of <|endoftext|>, </s>, <|end_of_text|>, <eos> it has."""
+    """huggingface: the end-of-document token; None = the first of <|endoftext|>, </s>, <|end_of_text|>, <eos>, <|im_end|>, [SEP] it has."""
     add_special_tokens: bool = False
     """huggingface: apply the tokenizer.json post-processor to each document (e.g. Llama's <s> in front)."""
+    special_tokens: List[str] = field(default_factory=list)
+    """Tokens the tokenizer must have (BERT: [CLS], [SEP], [MASK], [PAD]); a sentencepiece model megalm trains reserves them."""
 
 
 @dataclass
@@ -204,7 +206,7 @@ class DataConfig:
     name: str = "stdlib"
     """Preset name."""
     source: str = "stdlib"
-    """stdlib (Python's own sources, embedded default) | mock (random tokens) | indexed (.bin/.idx files)."""
+    """stdlib (Python's sources, the default) | stdlib_prose (their docstrings as sentences, for BERT) | mock | indexed (.bin/.idx)."""
     paths: List[str] = field(default_factory=list)
     """One .bin/.idx prefix (source=indexed); Megatron's flat weighted form [w, prefix, w, prefix, ...] also works."""
     blend: List[Any] = field(default_factory=list)

@@ -26,7 +26,7 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
-    "data.source": ("stdlib", "mock", "indexed"),
+    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "cluster.backend": ("auto", "nccl", "gloo"),
@@ -175,7 +175,7 @@ def _validate_vocab(cfg: Config) -> None:
     """The tokenizer's size where the config alone tells it (null ids, or a sentencepiece model still to
     train, which has at most the asked size); a given model file is checked when it is read."""
     tok, m = cfg.data.tokenizer, cfg.model
-    known = tok.type == "null" or (tok.type == "sentencepiece" and not tok.model and cfg.data.source == "stdlib")
+    known = tok.type == "null" or (tok.type == "sentencepiece" and not tok.model and cfg.data.source in ("stdlib", "stdlib_prose"))
     if known and tok.vocab_size > m.vocab_size:
         what = "null tokenizer's ids" if tok.type == "null" else "sentencepiece vocabulary to train"
         raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size} (the {what}) is larger than model.vocab_size="

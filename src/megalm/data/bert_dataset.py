@@ -1,4 +1,5 @@
-"""BERT samples with megatron-core's semantics (BERTMaskedWordPieceDataset).
+"""BERT samples with megatron-core's semantics (BERTMaskedWordPieceDataset), from sentence-split
+corpora (BertDataset) or synthetic (MockBertDataset).
 
 A sample is a run of whole sentences of one document. With the binary head it is cut at a random
 sentence into segments A and B (swapped with probability 0.5: the sentence-order target
@@ -24,6 +25,7 @@ from megalm.errors import DataError
 
 MASKING_PROBABILITY = 0.15
 MAX_NGRAM = 3
+SHORT_SEQ_PROB = 0.1  # Megatron's: a sample is cut to a random shorter length this often
 _SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
 _MOCK_DEFAULT_SAMPLES = 1 << 20
 
@@ -37,16 +39,43 @@ class Specials:
     pad: int
 
 
+# The names a vocabulary may give each role: WordPiece's, Megatron's sentencepiece additions, RoBERTa-style.
+SPECIAL_NAMES = {"cls": ("[CLS]", "<CLS>", "<cls>"), "sep": ("[SEP]", "<SEP>", "<sep>"),
+                 "mask": ("[MASK]", "<MASK>", "<mask>"), "pad": ("[PAD]", "<PAD>", "<pad>")}
+BERT_SPECIAL_TOKENS = ["[CLS]", "[SEP]", "[MASK]", "[PAD]"]
+"""What megalm reserves in a sentencepiece model it trains for BERT (data=stdlib_prose)."""
+
+
 def bert_specials(tokenizer) -> Specials:
-    """The tokenizer's [CLS] / [SEP] / [MASK] / [PAD] ids. A tokenizer without them (the null
-    tokenizer of pre-tokenized or mock data) uses ids 1, 2, 3 and 0, as the mock data does."""
-    ids = [getattr(tokenizer, name, None) for name in ("cls", "sep", "mask", "pad")]
-    if all(i is not None for i in ids):
-        return Specials(*ids)
-    if type(tokenizer).__name__ == "NullTokenizer":
+    """The tokenizer's [CLS] / [SEP] / [MASK] / [PAD] ids, found under any name of SPECIAL_NAMES. A
+    tokenizer without a vocabulary (the null tokenizer of pre-tokenized or mock data) uses ids 1, 2,
+    3 and 0, as the mock data does."""
+    if tokenizer.pieces() is None:
         return Specials(cls=1, sep=2, mask=3, pad=0)
-    raise DataError(f"BERT samples need [CLS], [SEP], [MASK] and [PAD] tokens, which the {tokenizer.identity} "
-                    "tokenizer does not have; use a WordPiece tokenizer.json or a sentencepiece model trained with them")
+    found = {}
+    for role, names in SPECIAL_NAMES.items():
+        ids = [i for i in map(tokenizer.token_to_id, names) if i is not None]
+        if ids:
+            found[role] = ids[0]
+    missing = [names[0] for role, names in SPECIAL_NAMES.items() if role not in found]
+    if missing:
+        raise DataError(
+            f"BERT samples need [CLS], [SEP], [MASK] and [PAD] tokens; the {tokenizer.identity} tokenizer"
+            f"{f' ({tokenizer.origin})' if tokenizer.origin else ''} lacks {', '.join(missing)} (under any of the "
+            f"names {', '.join(n for r in SPECIAL_NAMES.values() for n in r)}): use a WordPiece tokenizer.json, or a "
+            f"sentencepiece model trained with them (scripts/train_tokenizer.py --special-tokens "
+            f"{' '.join(BERT_SPECIAL_TOKENS)}, or tokenizer.special_tokens when megalm trains it)")
+    return Specials(**found)
+
+
+def continuing_pieces(tokenizer) -> Optional[np.ndarray]:
+    """continues_word for masked_lm: the ids whose piece starts with "##" (WordPiece's mark of a
+    piece inside a word, as megatron-core reads it); None when no piece does."""
+    pieces = tokenizer.pieces()
+    if pieces is None:
+        return None
+    marks = np.array([p.startswith("##") for p in pieces], dtype=bool)
+    return marks if marks.any() else None
 
 
 def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
@@ -191,8 +220,63 @@ class MockBertDataset:
         return bert_sample(sentences, target, self.seq_length, rng, self.specials, self.token_lookup, self.binary_head)
 
 
+class BertDataset:
+    """megatron-core's BERTMaskedWordPieceDataset over documents [documents.start, documents.stop)
+    of a sentence-split IndexedDataset (preprocess --split-sentences, or data=stdlib_prose).
+
+    The sample index is megatron-core's build_mapping (megalm.data.sentence_index): runs of whole
+    sentences of one document up to seq_length - 3 tokens (shorter with probability
+    short_seq_prob), at least two sentences with the binary head, shuffled; whole epochs until
+    num_samples (None: one epoch). Item i is bert_sample of row i with RandomState(seed + i).
+    """
+
+    def __init__(self, indexed, documents: range, seq_length: int, seed: int, name: str = "train",
+                 num_samples: Optional[int] = None, *, tokenizer, binary_head: bool = True,
+                 short_seq_prob: float = SHORT_SEQ_PROB, cache_dir=None):
+        from megalm.data.cache import load_or_build
+        from megalm.data.sentence_index import build_sentence_mapping
+        if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
+            raise DataError(f"{name} split: documents {documents} are not a contiguous range within the "
+                            f"{indexed.num_documents} documents of {indexed.prefix}")
+        if seq_length < 8:
+            raise DataError(f"BERT samples need seq_length >= 8 ([CLS] A [SEP] B [SEP]), got {seq_length}")
+        self.indexed, self.documents, self.seq_length, self.seed, self.name = indexed, documents, seq_length, seed, name
+        self.num_samples, self.binary_head = num_samples, binary_head
+        self.specials = bert_specials(tokenizer)
+        self.token_lookup = np.arange(tokenizer.vocab_size)  # megatron-core: every id of the vocabulary
+        self.continues_word = continuing_pieces(tokenizer)
+        bounds = np.asarray(indexed.doc_idx[documents.start:documents.stop + 1], dtype=np.int64)
+        target, min_sentences = seq_length - 3, 2 if binary_head else 1  # room for [CLS] and two [SEP]
+        description = {"kind": "bert-sample-index-v1", "files": indexed.fingerprint(), "split": name,
+                       "documents": [documents.start, documents.stop], "num_samples": num_samples,
+                       "target": target, "short_seq_prob": short_seq_prob, "seed": seed,
+                       "min_sentences": min_sentences}
+        arrays, self.built_anew = load_or_build(
+            cache_dir, "bert_indices", description,
+            lambda: {"sample_index": build_sentence_mapping(bounds, indexed.sizes, num_samples, target,
+                                                            short_seq_prob, seed, min_sentences)})
+        self.sample_index = arrays["sample_index"]
+        if num_samples and len(self.sample_index) < num_samples:
+            raise DataError(f"{name} split built {len(self.sample_index)} BERT samples, fewer than the "
+                            f"{num_samples} asked for")
+
+    def __len__(self) -> int:
+        return len(self.sample_index)
+
+    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        if not 0 <= i < len(self.sample_index):
+            raise IndexError(f"{self.name} BERT sample {i} is out of range [0, {len(self.sample_index)})")
+        begin, end, target = (int(v) for v in self.sample_index[i])
+        sentences = [self.indexed[k].tolist() for k in range(begin, end)]
+        rng = np.random.RandomState((self.seed + i) % 2**32)
+        return bert_sample(sentences, target, self.seq_length, rng, self.specials, self.token_lookup,
+                           self.binary_head, self.continues_word)
+
+
 class BertSamples:
     """How the BERT family makes its samples (megalm.data.build_data's `samples`)."""
+
+    split_by = "documents"  # as megatron-core splits masked-LM data
 
     def __init__(self, model_cfg):
         self.binary_head = model_cfg.binary_head
@@ -200,6 +284,7 @@ class BertSamples:
     def mock(self, tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
         return MockBertDataset(tokenizer, seq_length, seed, name, num_samples, binary_head=self.binary_head)
 
-    def corpus(self, data_cfg, tokenizer, seq_length: int, seed: int, num_samples, cache_dir):
-        raise DataError(f"data.source={data_cfg.source!r}: BERT trains on sentence-split corpora, which megalm's "
-                        "data pipeline does not read yet; use data=mock")
+    def dataset(self, indexed, documents: range, *, tokenizer, seq_length: int, seed: int, name: str,
+                num_samples: Optional[int], cache_dir) -> BertDataset:
+        return BertDataset(indexed, documents, seq_length, seed, name, num_samples, tokenizer=tokenizer,
+                           binary_head=self.binary_head, cache_dir=cache_dir)

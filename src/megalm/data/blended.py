@@ -32,7 +32,8 @@ log = logging.getLogger("megalm.data")
 
 BLEND_VERSION = "blend-v1"
 SIZE_MARGIN = 1.005
-"""Megatron's: each dataset builds ceil(weight * N * 1.005) samples for a blend of N."""
+"""megatron-core's mid_level_dataset_surplus (0.005): each dataset of a blend for N samples is
+built for ceil(ceil(weight * N) * 1.005) samples."""
 _CHUNK = 2048  # time steps per chunk of the parallel-in-time build
 
 
@@ -45,9 +46,21 @@ def normalize_weights(weights: Sequence[float]) -> np.ndarray:
     return w / w.sum()
 
 
+def target_samples(weights: Sequence[float], size: int) -> List[int]:
+    """Samples the blend plans to take from each dataset for a request of `size`: ceil(w * size)."""
+    return [int(math.ceil(size * w)) for w in normalize_weights(weights).tolist()]
+
+
 def per_dataset_samples(weights: Sequence[float], size: int) -> List[int]:
-    """Samples each dataset must provide for a blend of `size`: ceil(w * size * 1.005)."""
-    return [int(math.ceil(w * size * SIZE_MARGIN)) for w in normalize_weights(weights)]
+    """Samples each dataset is built for, for a blend requested at `size`: megatron-core's
+    ceil(ceil(w * size) * 1.005). (Older Megatron-LM: ceil(w * size * 1.005).)"""
+    return [int(math.ceil(n * SIZE_MARGIN)) for n in target_samples(weights, size)]
+
+
+def blend_size(weights: Sequence[float], size: int) -> int:
+    """The samples a blend requested at `size` holds: megatron-core's sum of ceil(w * size), which
+    can exceed `size` by up to one sample per dataset."""
+    return sum(target_samples(weights, size))
 
 
 def _simulate(w: np.ndarray, t0: np.ndarray, counts: np.ndarray, steps: int,

@@ -1,11 +1,14 @@
-"""The embedded default corpus: the Python standard library's own source files.
+"""The embedded corpora: the Python standard library's own source files, and their docstrings.
 
 Every Python install carries ~30 MB of real, varied, well-written code, so the framework can
-train a meaningful model with no download. Each *.py file is one document.
+train a meaningful model with no download. Each *.py file is one document (StdlibCorpus). Its
+docstrings (~2 MB of English prose) are the sentences BERT trains on (StdlibDocstrings): one
+document per module, its docstrings in source order, a blank line between them.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import fcntl
 import functools
@@ -13,6 +16,7 @@ import hashlib
 import os
 import platform
 import sysconfig
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
@@ -76,6 +80,42 @@ class StdlibCorpus:
 
     def subset(self, start: int, stop: int) -> "StdlibCorpus":
         return StdlibCorpus(self.root, self.files[start:stop])
+
+
+_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+
+
+def docstrings(source: str) -> List[str]:
+    """The docstrings of a module's source (module, classes, functions at any depth) in source
+    order, cleaned of their indentation (inspect.cleandoc); [] when it does not parse."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # invalid escapes in old string literals
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):  # a few test files are deliberately broken
+        return []
+    nodes = sorted((n for n in ast.walk(tree) if isinstance(n, _DOCUMENTED)), key=lambda n: getattr(n, "lineno", 0))
+    return [d for d in (ast.get_docstring(n, clean=True) for n in nodes) if d and d.strip()]
+
+
+@dataclass
+class StdlibDocstrings:
+    """The docstrings of a StdlibCorpus's modules: one document per module that has any."""
+
+    code: StdlibCorpus
+
+    def __len__(self) -> int:
+        """Source files read (a module without docstrings gives no document)."""
+        return len(self.code)
+
+    def fingerprint(self) -> str:
+        return stable_hash("stdlib-docstrings-v1", self.code.fingerprint())
+
+    def texts(self) -> Iterator[str]:
+        for source in self.code.texts():
+            parts = docstrings(source)
+            if parts:
+                yield "\n\n".join(parts)
 
 
 def _order_key(rel: str) -> str:

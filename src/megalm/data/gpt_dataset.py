@@ -15,8 +15,10 @@ Three indices define a split's samples, built vectorized with numpy and cached:
   was separated).
 
 One numpy RandomState(seed) draws the shuffles in Megatron's order, so for the same documents,
-seed and sizes the indices equal Megatron's. Documents are this dataset's documents (in
-Megatron's GPT files every document is one sequence, so the two agree).
+seed and sizes the indices equal Megatron's. A "document" here is a sequence of the indexed
+dataset, as in megatron-core, which splits and samples GPT data per sequence: in a file of one
+sequence per document the two agree, and a sentence-split file (preprocess --split-sentences)
+is sampled per sentence, as megatron-core samples it.
 
 Not done here: resetting position ids or attention masks at document boundaries
 (Megatron's --reset-position-ids / --reset-attention-mask); samples attend across documents.
@@ -43,7 +45,7 @@ log = logging.getLogger("megalm.data")
 _SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 """Megatron's: the last epoch is shuffled apart when under this fraction of an epoch is used."""
-INDEX_VERSION = "gpt-indices-v1"  # bump when the construction changes, to invalidate caches
+INDEX_VERSION = "gpt-indices-v2"  # bump when the construction changes, to invalidate caches
 _CHUNK = 1 << 22  # document-index positions per step of the sample-index build
 _MOCK_DEFAULT_SAMPLES = 1 << 40  # a mock split without a requested size: as large as anyone asks
 
@@ -182,7 +184,8 @@ def gpt_batch(samples: torch.Tensor, eod: Optional[int] = None) -> Dict[str, tor
 
 
 class GPTDataset:
-    """Megatron's GPT samples over documents [documents.start, documents.stop) of an IndexedDataset.
+    """Megatron's GPT samples over sequences [documents.start, documents.stop) of an IndexedDataset
+    (its documents, unless the file is sentence-split: see the module docstring).
 
     len(self) is the number of samples the indices hold (whole epochs: at least num_samples);
     item i is the i-th sample in shuffled order, seq_length + 1 int64 tokens.
@@ -193,12 +196,12 @@ class GPTDataset:
                  cache_dir: Optional[Union[str, Path]] = None):
         if seq_length < 1:
             raise DataError(f"seq_length={seq_length} must be at least 1")
-        if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
+        if not 0 <= documents.start <= documents.stop <= len(indexed) or documents.step != 1:
             raise DataError(f"{name} split: documents {documents} are not a contiguous range "
-                            f"within the {indexed.num_documents} documents of {indexed.prefix}")
+                            f"within the {len(indexed)} sequences of {indexed.prefix}")
         self.indexed, self.name, self.seq_length, self.seed = indexed, name, seq_length, seed
         self.documents, self.num_samples = documents, num_samples
-        offsets = self._offsets = indexed.document_offsets()
+        offsets = self._offsets = indexed.offsets  # per sequence, as megatron-core samples GPT data
         sizes = np.diff(offsets)
         self.num_tokens = int(sizes[documents.start:documents.stop].sum())
         need = seq_length + 1

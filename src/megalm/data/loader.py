@@ -1,8 +1,8 @@
 """From a DataConfig to datasets, and from datasets to this rank's micro-batches.
 
-build_data: source (mock | the stdlib corpus tokenized into .bin/.idx | your .bin/.idx files) ->
-split by document weights ("949,50,1") -> Megatron GPT sample indices per split and dataset ->
-Megatron's greedy blend when several datasets are weighted -> DataBundle. Each split is built for
+build_data: source (mock | the stdlib's code or its docstrings' sentences tokenized into .bin/.idx |
+your .bin/.idx files) -> split by weights ("949,50,1") -> the family's sample indices per split and
+dataset (GPT's by default) -> Megatron's greedy blend when several datasets are weighted -> DataBundle. Each split is built for
 the number of samples training will draw (`num_samples`, see `num_samples_for`), as Megatron does.
 """
 
@@ -20,11 +20,12 @@ import numpy as np
 import torch
 
 from megalm.config import DataConfig
-from megalm.data.blended import BlendedDataset, per_dataset_samples
-from megalm.data.corpora import StdlibCorpus, locked, stable_hash, stdlib_corpus
+from megalm.data.blended import BlendedDataset, blend_size, per_dataset_samples
+from megalm.data.corpora import StdlibCorpus, StdlibDocstrings, locked, stable_hash, stdlib_corpus
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, gpt_batch
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
+from megalm.data.sentences import split_sentences
 from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from megalm.errors import DataError
@@ -33,6 +34,8 @@ log = logging.getLogger("megalm.data")
 
 Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
+SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed")
+STDLIB_SOURCES = ("stdlib", "stdlib_prose")
 _CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
 _ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
 
@@ -80,17 +83,18 @@ def num_samples_for(max_steps: int, global_batch_size: int, eval_interval: int, 
 def split_documents(num_documents: int, split: str) -> List[range]:
     """Contiguous (train, valid, test) document ranges in proportion to the split weights.
 
-    Megatron's rule: each part is round(weight / total * num_documents) documents after the one
-    before, and the boundaries then shift so the last one ends exactly at num_documents.
+    megatron-core's rule: the weights are normalized, their running sums are the bookends
+    (0, w0, w0 + w1, 1), and each bookend b becomes document round(b * num_documents). (Older
+    Megatron-LM rounded each part's size and shifted the boundaries to end at N: 949,50,1 over
+    1010 documents gave train [0, 959) where megatron-core gives [0, 958).)
     """
     weights = (split_weights(split) + [0.0] * 2)[:3]
-    total = sum(weights)
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * float(num_documents))))
-    excess = bounds[-1] - num_documents
-    bounds[1:] = [b - excess for b in bounds[1:]]
-    return [range(max(0, bounds[k]), max(0, bounds[k + 1])) for k in range(3)]
+    normalized = (np.asarray(weights, dtype=np.float64) / np.sum(np.asarray(weights, dtype=np.float64))).tolist()
+    bookends = [0.0]
+    for w in normalized:
+        bookends.append(bookends[-1] + w)  # in this order, so the floats are megatron-core's
+    bounds = [int(round(b * float(num_documents))) for b in bookends]
+    return [range(bounds[k], bounds[k + 1]) for k in range(3)]
 
 
 def _requested(num_samples: Optional[Mapping[str, Optional[int]]]) -> Dict[str, Optional[int]]:
@@ -129,14 +133,34 @@ def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
     if cfg.source == "mock":
         # No text here: only the id range of the configured tokenizer matters.
         return NullTokenizer(cfg.tokenizer.vocab_size)
-    if cfg.source == "stdlib":
+    if cfg.source in STDLIB_SOURCES:
         if cfg.tokenizer.type not in ("sentencepiece", "huggingface"):
-            raise DataError(f"data.source=stdlib is text and needs tokenizer.type=sentencepiece or huggingface "
+            raise DataError(f"data.source={cfg.source} is text and needs tokenizer.type=sentencepiece or huggingface "
                             f"(got {cfg.tokenizer.type!r})")
-        return build_tokenizer(cfg.tokenizer, stdlib_corpus(cfg.max_corpus_mb), Path(cfg.cache_dir).expanduser())
+        return build_tokenizer(cfg.tokenizer, _stdlib_text(cfg), Path(cfg.cache_dir).expanduser())
     if cfg.source == "indexed":
         return build_tokenizer(cfg.tokenizer)
-    raise DataError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
+    raise DataError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
+
+
+def _stdlib_text(cfg: DataConfig) -> Union[StdlibCorpus, StdlibDocstrings]:
+    code = stdlib_corpus(cfg.max_corpus_mb)
+    return StdlibDocstrings(code) if cfg.source == "stdlib_prose" else code
+
+
+class GPTSamples:
+    """GPT's packed token sequences (Megatron's GPTDataset): the default `samples` of build_data.
+    Splits and samples go per sequence, as megatron-core's GPT data does (documents, unless the
+    file is sentence-split)."""
+
+    split_by = "sequences"
+
+    def mock(self, tokenizer: Tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
+        return MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name, num_samples)
+
+    def dataset(self, indexed: IndexedDataset, documents: range, *, tokenizer: Tokenizer, seq_length: int,
+                seed: int, name: str, num_samples: Optional[int], cache_dir: Path) -> GPTDataset:
+        return GPTDataset(indexed, documents, seq_length, seed, name, num_samples, cache_dir)
 
 
 def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
@@ -147,85 +171,98 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
     num_samples: samples each split must provide ({"train": ..., "valid": ..., "test": ...}, see
     num_samples_for); a split left out (or None) gets one epoch of its documents. `tokenizer`: the
     one build_data_tokenizer(cfg) gave, when the caller already has it. `samples`: how the model
-    family makes its samples (Family.samples); None: GPT's packed token sequences.
+    family makes its samples (Family.samples: `split_by` "sequences" | "documents", `mock(...)`
+    and `dataset(...)` as GPTSamples has them); None: GPT's packed token sequences.
     """
     requested = _requested(num_samples)
     cache_dir = Path(cfg.cache_dir).expanduser()
     if tokenizer is None:
         tokenizer = build_data_tokenizer(cfg)
-    if samples is not None:
-        if cfg.source != "mock":
-            return samples.corpus(cfg, tokenizer, seq_length, seed, requested, cache_dir)
-        sets = [samples.mock(tokenizer, seq_length, seed, name, requested[name] or None) for name in _SPLITS]
-        return DataBundle(tokenizer, sets[0], sets[1], sets[2])
+    samples = samples if samples is not None else GPTSamples()
     if cfg.source == "mock":
-        sets = [MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name,
-                               None if not requested[name] else requested[name]) for name in _SPLITS]
+        sets = [samples.mock(tokenizer, seq_length, seed, name, requested[name] or None) for name in _SPLITS]
         return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
-    if cfg.source == "stdlib":
-        corpus = stdlib_corpus(cfg.max_corpus_mb)
-        log.info("corpus: %d stdlib files, %.1f MB", len(corpus), corpus.num_bytes / 1e6)
-        sources = [(1.0, tokenize_corpus(corpus, tokenizer, cache_dir))]
-    elif cfg.source == "indexed":
-        pairs = blend_spec(cfg)
-        for w, prefix in pairs:
-            if w == 0:
-                log.info("blend: %s has weight 0 and is not used", prefix)
-        sources = [(w, IndexedDataset(Path(prefix).expanduser())) for w, prefix in pairs if w > 0]
-        for _, indexed in sources:
-            check_corpus_tokenizer(indexed.prefix, tokenizer)
-        if cfg.check_vocab:
-            for _, indexed in sources:
-                indexed.check_vocab(tokenizer.vocab_size, _token_range(indexed, cache_dir))
-    else:
-        raise DataError(f"data.source={cfg.source!r} is not one of stdlib, mock, indexed")
-
+    sources = corpus_sources(cfg, tokenizer, cache_dir)
     sets: List[Optional[Dataset]] = []
     for k, name in enumerate(_SPLITS):
-        sets.append(_build_split(cfg, name, k, sources, seq_length, seed, requested[name], cache_dir))
+        sets.append(_build_split(cfg, name, k, sources, samples, tokenizer, seq_length, seed, requested[name],
+                                 cache_dir))
     log.info("splits: %s", ", ".join(f"{n} {len(s) if s is not None else 0} samples"
                                      for n, s in zip(_SPLITS, sets)))
     return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
 
 
-def _build_split(cfg: DataConfig, name: str, k: int, sources: Sequence[Tuple[float, IndexedDataset]],
-                 seq_length: int, seed: int, num_samples: Optional[int], cache_dir: Path) -> Optional[Dataset]:
-    ranges = [split_documents(indexed.num_documents, cfg.split)[k] for _, indexed in sources]
+def corpus_sources(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path) -> List[Tuple[float, IndexedDataset]]:
+    """(weight, tokenized corpus) of each dataset `cfg` names: the stdlib tokenized (cached), or
+    the user's .bin/.idx files checked against the tokenizer."""
+    if cfg.source in STDLIB_SOURCES:
+        text = _stdlib_text(cfg)
+        log.info("corpus: %s of %d stdlib files", "docstrings" if cfg.source == "stdlib_prose" else "the sources",
+                 len(text))
+        return [(1.0, tokenize_corpus(text, tokenizer, cache_dir, split_sentences=cfg.source == "stdlib_prose"))]
+    if cfg.source != "indexed":
+        raise DataError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
+    pairs = blend_spec(cfg)
+    for w, prefix in pairs:
+        if w == 0:
+            log.info("blend: %s has weight 0 and is not used", prefix)
+    sources = [(w, IndexedDataset(Path(prefix).expanduser())) for w, prefix in pairs if w > 0]
+    for _, indexed in sources:
+        check_corpus_tokenizer(indexed.prefix, tokenizer)
+    if cfg.check_vocab:
+        for _, indexed in sources:
+            indexed.check_vocab(tokenizer.vocab_size, _token_range(indexed, cache_dir))
+    return sources
+
+
+def _build_split(cfg: DataConfig, name: str, k: int, sources: Sequence[Tuple[float, IndexedDataset]], samples: Any,
+                 tokenizer: Tokenizer, seq_length: int, seed: int, num_samples: Optional[int],
+                 cache_dir: Path) -> Optional[Dataset]:
+    # megatron-core splits GPT data per sequence and BERT data per document
+    ranges = [split_documents(len(ix) if samples.split_by == "sequences" else ix.num_documents, cfg.split)[k]
+              for _, ix in sources]
     if name == "test" and all(len(r) == 0 for r in ranges):
         return None
+
+    def make(indexed: IndexedDataset, documents: range, n: Optional[int]):
+        return samples.dataset(indexed, documents, tokenizer=tokenizer, seq_length=seq_length, seed=seed, name=name,
+                               num_samples=n, cache_dir=cache_dir)
+
     if len(sources) == 1:
-        return GPTDataset(sources[0][1], ranges[0], seq_length, seed, name, num_samples, cache_dir)
+        return make(sources[0][1], ranges[0], num_samples)
     weights = [w for w, _ in sources]
     if num_samples is None:  # one epoch of each, and as long a blend as they can all feed
-        parts = [GPTDataset(ix, r, seq_length, seed, name, None, cache_dir) for (_, ix), r in zip(sources, ranges)]
+        parts = [make(ix, r, None) for (_, ix), r in zip(sources, ranges)]
         total = sum(weights)
         size = min(int(math.floor((len(p) - 1) / (w / total))) for p, w in zip(parts, weights))
         size = max(size, 1)
     else:
-        size = num_samples
-        parts = [GPTDataset(ix, r, seq_length, seed, name, n, cache_dir)
-                 for (_, ix), r, n in zip(sources, ranges, per_dataset_samples(weights, size))]
+        size = blend_size(weights, num_samples)
+        parts = [make(ix, r, n) for (_, ix), r, n in zip(sources, ranges, per_dataset_samples(weights, num_samples))]
     description = [[p.indexed.fingerprint(), [p.documents.start, p.documents.stop], p.num_samples, len(p)]
                    for p in parts]
     return BlendedDataset(parts, weights, size, name, cache_dir,
-                          description=[seq_length, seed] + description)
+                          description=[type(parts[0]).__name__, seq_length, seed] + description)
 
 
-def tokenize_corpus(corpus: StdlibCorpus, tokenizer: Tokenizer, cache_dir: Path) -> IndexedDataset:
-    """Tokenize every document (+ eod) into cache_dir/corpora/<hash>/tokens.bin/.idx, once."""
-    key = stable_hash(_CORPUS_FORMAT, corpus.fingerprint(), tokenizer.identity)
+def tokenize_corpus(corpus: Union[StdlibCorpus, StdlibDocstrings], tokenizer: Tokenizer, cache_dir: Path,
+                    split_sentences: bool = False) -> IndexedDataset:
+    """Tokenize every document (+ eod) into cache_dir/corpora/<hash>/tokens.bin/.idx, once. With
+    split_sentences, one sequence per sentence and no eod (a Megatron BERT corpus), into sentences.bin/.idx."""
+    key = stable_hash(_CORPUS_FORMAT, corpus.fingerprint(), tokenizer.identity, *(["sentences"] * split_sentences))
     root = cache_dir / "corpora"
     entry = root / key
-    prefix = entry / "tokens"
+    prefix = entry / ("sentences" if split_sentences else "tokens")
     with locked(root / f"{key}.lock"):
-        if (entry / "tokens.idx").is_file():
+        if prefix.with_suffix(".idx").is_file():
             log.info("tokens: reusing %s.bin/.idx", prefix)
             return IndexedDataset(prefix)
         start = time.perf_counter()
-        log.info("tokens: tokenizing %d documents (%.1f MB)", len(corpus), corpus.num_bytes / 1e6)
+        log.info("tokens: tokenizing up to %d documents%s", len(corpus), " into sentences" if split_sentences else "")
         # Saved next to the tokens so the folder is self-contained for source=indexed.
         tokenizer.save_to(entry)
-        num_tokens = 0
+        num_tokens = num_bytes = 0
+        write = _write_sentences if split_sentences else _write_batch
         with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
             batch: List[str] = []
             size = 0
@@ -233,17 +270,34 @@ def tokenize_corpus(corpus: StdlibCorpus, tokenizer: Tokenizer, cache_dir: Path)
                 batch.append(text)
                 size += len(text)
                 if size >= _ENCODE_BATCH_BYTES:
-                    num_tokens += _write_batch(writer, tokenizer, batch)
-                    batch, size = [], 0
-            num_tokens += _write_batch(writer, tokenizer, batch)
+                    num_tokens += write(writer, tokenizer, batch)
+                    num_bytes, batch, size = num_bytes + size, [], 0
+            num_tokens += write(writer, tokenizer, batch)
+            num_bytes += size
+            documents, sequences = writer.num_documents, writer.num_sequences
         seconds = time.perf_counter() - start
-        write_provenance(prefix, tokenizer, documents=len(corpus), tokens=num_tokens)
+        counts = {"sentences": sequences} if split_sentences else {}
+        write_provenance(prefix, tokenizer, documents=documents, tokens=num_tokens, **counts)
         (entry / "stats.json").write_text(json.dumps(
-            {"documents": len(corpus), "bytes": corpus.num_bytes, "tokens": num_tokens,
+            {"documents": documents, **counts, "characters": num_bytes, "tokens": num_tokens,
              "seconds": round(seconds, 2), "tokenizer": tokenizer.identity}, indent=1))
-        log.info("tokens: %d tokens (%.2f bytes/token) in %.1f s", num_tokens,
-                 corpus.num_bytes / max(num_tokens, 1), seconds)
+        log.info("tokens: %d documents%s, %d tokens (%.2f characters/token) in %.1f s", documents,
+                 f" ({sequences} sentences)" if split_sentences else "", num_tokens,
+                 num_bytes / max(num_tokens, 1), seconds)
     return IndexedDataset(prefix)
+
+
+def _write_sentences(writer: IndexedDatasetWriter, tokenizer: Tokenizer, texts: List[str]) -> int:
+    """Each text as one document of its sentences' ids (sentences of no ids left out, as preprocess does)."""
+    per_text = [split_sentences(t) for t in texts]
+    encoded = iter(tokenizer.encode_batch([s for sents in per_text for s in sents]))
+    count = 0
+    for sents in per_text:
+        ids = [i for i in (next(encoded) for _ in sents) if i]
+        if ids:
+            writer.add_documents(np.concatenate(ids), [len(i) for i in ids], sequences_per_document=[len(ids)])
+            count += sum(map(len, ids))
+    return count
 
 
 def _write_batch(writer: IndexedDatasetWriter, tokenizer: Tokenizer, texts: List[str]) -> int:

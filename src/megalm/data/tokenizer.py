@@ -52,7 +52,7 @@ _TRAIN_OPTIONS = dict(
 _MAX_SENTENCES = 1_000_000
 _SPACE = "\u2581"  # sentencepiece's space marker
 # End-of-document candidates of common tokenizer.json files, in order of preference.
-HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>")
+HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>", "[SEP]")
 _HF_SIDECAR = "megalm_tokenizer.json"  # what a tokenizer.json cannot say: our eod and options
 TOKENIZER_TYPES = ("sentencepiece", "huggingface", "null")
 
@@ -97,6 +97,14 @@ class Tokenizer(ABC):
 
     @abstractmethod
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def token_to_id(self, piece: str) -> Optional[int]:
+        """The id of the vocabulary entry `piece` (a special token such as "[CLS]"); None if absent."""
+        return None
+
+    def pieces(self) -> Optional[List[str]]:
+        """Every id's vocabulary entry, in id order; None for a tokenizer without one (null)."""
+        return None
 
     @abstractmethod
     def save_to(self, directory: Union[str, os.PathLike]) -> Path:
@@ -145,6 +153,13 @@ class SentencePieceTokenizer(Tokenizer):
     def decode(self, ids: Iterable[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
 
+    def token_to_id(self, piece: str) -> Optional[int]:
+        i = self._sp.piece_to_id(piece)  # an unknown piece maps to <unk>'s id
+        return i if self._sp.id_to_piece(i) == piece else None
+
+    def pieces(self) -> List[str]:
+        return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
     def save_to(self, directory: Union[str, os.PathLike]) -> Path:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -154,26 +169,32 @@ class SentencePieceTokenizer(Tokenizer):
         return directory
 
     @classmethod
-    def train(cls, corpus: StdlibCorpus, vocab_size: int, cache_dir: Optional[Union[str, os.PathLike]] = None,
-              num_threads: Optional[int] = None) -> "SentencePieceTokenizer":
-        """Train on the corpus, or reuse the model cached for this corpus and these settings."""
+    def train(cls, corpus, vocab_size: int, cache_dir: Optional[Union[str, os.PathLike]] = None,
+              num_threads: Optional[int] = None, special_tokens: Sequence[str] = ()) -> "SentencePieceTokenizer":
+        """Train on the corpus (texts() and fingerprint()), or reuse the model cached for this
+        corpus and these settings. `special_tokens` get ids of their own that text never maps to."""
+        special_tokens = list(special_tokens)
         if cache_dir is None:
-            return cls(train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads))
+            return cls(train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads,
+                                           special_tokens=special_tokens))
         key = stable_hash("sentencepiece", spm.__version__, corpus.fingerprint(), str(vocab_size),
-                          json.dumps(_TRAIN_OPTIONS, sort_keys=True), str(_MAX_SENTENCES))
+                          json.dumps(_TRAIN_OPTIONS, sort_keys=True), str(_MAX_SENTENCES),
+                          *([json.dumps(special_tokens)] if special_tokens else []))
         root = Path(cache_dir).expanduser() / "tokenizers"
         entry = root / key
         with locked(root / f"{key}.lock"):
             if (entry / "tokenizer.model").is_file():
                 log.info("tokenizer: reusing %s", entry / "tokenizer.model")
                 return cls(entry / "tokenizer.model")
-            proto = train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads)
+            proto = train_sentencepiece(corpus.texts(), vocab_size, num_threads=num_threads,
+                                        special_tokens=special_tokens)
             # Build the entry in a temp dir and rename it into place, so an interrupted
             # run never leaves a half-written model where the cache looks for one.
             tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{key}."))
             (tmp / "tokenizer.model").write_bytes(proto)
             (tmp / "settings.json").write_text(json.dumps(
-                {"vocab_size": vocab_size, "documents": len(corpus), **_TRAIN_OPTIONS}, indent=1))
+                {"vocab_size": vocab_size, "documents": len(corpus), "special_tokens": special_tokens,
+                 **_TRAIN_OPTIONS}, indent=1))
             if entry.exists():
                 shutil.rmtree(entry)  # a leftover without a model; we hold the lock
             os.replace(tmp, entry)
@@ -203,8 +224,12 @@ def training_lines(texts: Iterable[str], max_sentences: int = _MAX_SENTENCES, se
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: Optional[int] = None,
-                        max_sentences: int = _MAX_SENTENCES, model_type: str = "bpe") -> bytes:
-    """Train a lossless sentencepiece model on the lines of `texts`; return the model bytes."""
+                        max_sentences: int = _MAX_SENTENCES, model_type: str = "bpe",
+                        special_tokens: Sequence[str] = ()) -> bytes:
+    """Train a lossless sentencepiece model on the lines of `texts`; return the model bytes.
+
+    `special_tokens` become control symbols: ids right after <unk>, <s>, </s>, which encode() never
+    produces from text (so a literal "[MASK]" in a document stays text)."""
     start = time.perf_counter()
     lines = training_lines(texts, max_sentences)
     log.info("tokenizer: training a %d-piece sentencepiece %s on %d lines", vocab_size, model_type, len(lines))
@@ -212,6 +237,12 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
         raise DataError("sentencepiece has nothing to train on: the corpus has no non-blank lines")
     buf = io.BytesIO()
     options = dict(_TRAIN_OPTIONS, model_type=model_type)
+    if special_tokens:
+        clash = [t for t in special_tokens if t in options["user_defined_symbols"] or not t or t != t.strip()]
+        if clash or len(set(special_tokens)) != len(special_tokens):
+            raise ConfigError(f"tokenizer.special_tokens={list(special_tokens)} must be distinct, non-blank "
+                              f"tokens without surrounding spaces{f' (not {clash})' if clash else ''}")
+        options["control_symbols"] = list(special_tokens)
     try:
         spm.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=buf, vocab_size=vocab_size,
                                        num_threads=_threads(num_threads), input_sentence_size=0, minloglevel=2,
@@ -278,6 +309,16 @@ class HuggingFaceTokenizer(Tokenizer):
 
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def token_to_id(self, piece: str) -> Optional[int]:
+        return self._tok.token_to_id(piece)
+
+    def pieces(self) -> List[str]:
+        out = [""] * self.vocab_size
+        for piece, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if 0 <= i < self.vocab_size:
+                out[i] = piece
+        return out
 
     def save_to(self, directory: Union[str, os.PathLike]) -> Path:
         directory = Path(directory)
@@ -347,13 +388,25 @@ def build_tokenizer(cfg, corpus: Optional[StdlibCorpus] = None,
     if cfg.type == "huggingface":
         if not cfg.model:
             raise DataError("tokenizer.type=huggingface needs tokenizer.model: a tokenizer.json or its folder")
-        return HuggingFaceTokenizer(cfg.model, getattr(cfg, "eod_token", None),
-                                    getattr(cfg, "add_special_tokens", False))
+        return _has_special_tokens(HuggingFaceTokenizer(cfg.model, getattr(cfg, "eod_token", None),
+                                                        getattr(cfg, "add_special_tokens", False)), cfg)
     if cfg.type != "sentencepiece":
         raise DataError(f"tokenizer.type={cfg.type!r} is not one of {', '.join(TOKENIZER_TYPES)}")
     if cfg.model:
-        return SentencePieceTokenizer(cfg.model)
+        return _has_special_tokens(SentencePieceTokenizer(cfg.model), cfg)
     if corpus is None:
         raise DataError("tokenizer.type=sentencepiece needs tokenizer.model (a .model path) "
                         "when there is no text corpus to train one on")
-    return SentencePieceTokenizer.train(corpus, cfg.vocab_size, cache_dir)
+    return SentencePieceTokenizer.train(corpus, cfg.vocab_size, cache_dir,
+                                        special_tokens=getattr(cfg, "special_tokens", ()))
+
+
+def _has_special_tokens(tokenizer: Tokenizer, cfg) -> Tokenizer:
+    """A given tokenizer must hold the special_tokens the config names (megalm reserves them only
+    in a model it trains)."""
+    missing = [t for t in getattr(cfg, "special_tokens", ()) if tokenizer.token_to_id(t) is None]
+    if missing:
+        raise DataError(f"tokenizer.special_tokens names {', '.join(missing)}, which {tokenizer.origin} does not "
+                        "have; use a tokenizer with them, or set data.tokenizer.special_tokens=[] if they are "
+                        "not needed")
+    return tokenizer

@@ -60,16 +60,21 @@ def train_bytelevel_bpe(texts: Iterator[str], vocab_size: int, max_sentences: in
 def train(inputs: Sequence[str], output: str, *, vocab_size: int, kind: str = "sentencepiece",
           json_keys: Sequence[str] = ("text",), input_format: str = "auto", text_document: str = "paragraph",
           model_type: str = "bpe", max_sentences: int = _MAX_SENTENCES,
-          num_threads: Optional[int] = None) -> Tokenizer:
-    """Train on the inputs and save into the folder `output`; return the tokenizer."""
+          num_threads: Optional[int] = None, special_tokens: Sequence[str] = ()) -> Tokenizer:
+    """Train on the inputs and save into the folder `output`; return the tokenizer.
+
+    special_tokens (sentencepiece): ids reserved for tokens text never maps to (BERT's [CLS] [SEP] [MASK] [PAD])."""
     start = time.perf_counter()
     texts = iter_texts(inputs, json_keys, input_format, text_document)
     out = Path(output).expanduser()
     if kind == "sentencepiece":
         tok: Tokenizer = SentencePieceTokenizer(train_sentencepiece(
-            texts, vocab_size, num_threads=num_threads, max_sentences=max_sentences, model_type=model_type))
+            texts, vocab_size, num_threads=num_threads, max_sentences=max_sentences, model_type=model_type,
+            special_tokens=special_tokens))
         tok.save_to(out)
     elif kind == "bytelevel-bpe":
+        if special_tokens:
+            raise ValueError("--special-tokens is for --type sentencepiece")
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / ".tokenizer.json.tmp"
         tmp.write_text(train_bytelevel_bpe(texts, vocab_size, max_sentences))
@@ -95,12 +100,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--text-document", default="paragraph", choices=TEXT_DOCUMENT_MODES)
     p.add_argument("--max-sentences", type=int, default=_MAX_SENTENCES, help="lines sampled for training")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--special-tokens", nargs="+", default=[], metavar="TOKEN",
+                   help="sentencepiece: reserve ids for these (for BERT: [CLS] [SEP] [MASK] [PAD])")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         tok = train(args.input, args.output, vocab_size=args.vocab_size, kind=args.type, json_keys=args.json_keys,
                     input_format=args.input_format, text_document=args.text_document, model_type=args.model_type,
-                    max_sentences=args.max_sentences, num_threads=args.threads)
+                    max_sentences=args.max_sentences, num_threads=args.threads, special_tokens=args.special_tokens)
     except (ValueError, OSError, ImportError) as e:
         print(f"train_tokenizer: error: {e}", file=sys.stderr)
         return 2

@@ -223,9 +223,13 @@ def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
-    if cfg.data.source != "mock":
-        raise ConfigError(f"data.source={cfg.data.source!r}: BERT trains on sentence-split corpora, which megalm's "
-                          "data pipeline does not read yet; use data=mock")
+    if cfg.data.source == "stdlib":
+        raise ConfigError("data.source=stdlib is Python code, not sentences: BERT trains on sentence-split text; use "
+                          "data=stdlib_prose (the stdlib's docstrings), data=indexed with a corpus from "
+                          "preprocess_data.py --split-sentences, or data=mock")
+    if cfg.data.source != "mock" and not 1 <= cfg.trainer.seed < 2**31:
+        raise ConfigError(f"trainer.seed={cfg.trainer.seed}: BERT's sample index (megatron-core's build_mapping) "
+                          "takes a seed in [1, 2**31)")
     if m.norm_position not in NORM_POSITIONS:
         raise ConfigError(f"model.norm_position={m.norm_position!r} is not one of {', '.join(NORM_POSITIONS)}")
     if m.num_tokentypes < 0:

@@ -77,9 +77,10 @@ class Family:
     """Its pipeline stages, ZeRO-3 units and recompute units."""
     samples: Optional[Callable[..., Any]] = None
     """(ModelConfig) -> how its training samples are made (megalm.data.build_data's `samples`: an
-    object with mock(tokenizer, seq_length, seed, split name, num_samples) -> a dataset, and
-    corpus(data config, tokenizer, seq_length, seed, num_samples per split, cache_dir) -> a
-    DataBundle); None: GPT's packed token sequences."""
+    object with split_by ("sequences" | "documents": what data.split divides), mock(tokenizer,
+    seq_length, seed, split name, num_samples) -> a dataset, and dataset(indexed, documents range,
+    tokenizer=, seq_length=, seed=, name=, num_samples=, cache_dir=) -> a dataset over a tokenized
+    corpus, as megalm.data.loader.GPTSamples); None: GPT's packed token sequences."""
     hf: Optional[str] = None
     """The module of its Hugging Face mapping (megalm.convert.hf says what it provides); None: no
     conversion."""
