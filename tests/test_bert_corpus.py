@@ -75,7 +75,8 @@ def _assert_same_sample(ours, theirs, pad, where):
     assert pad == 0
     np.testing.assert_array_equal(ours["tokens"], theirs["text"], err_msg=where)
     np.testing.assert_array_equal(ours["token_types"], theirs["types"], err_msg=where)
-    np.testing.assert_array_equal(ours["padding_mask"][ours["tokens"] != pad], theirs["padding_mask"][ours["tokens"] != pad])
+    real = ours["tokens"] != pad
+    np.testing.assert_array_equal(ours["padding_mask"][real], theirs["padding_mask"][real])
     assert (ours["padding_mask"][:n] == 1).all() and (ours["padding_mask"][n:] == 0).all()
     np.testing.assert_array_equal(ours["loss_mask"], theirs["loss_mask"], err_msg=where)
     masked = ours["loss_mask"] > 0

@@ -34,7 +34,8 @@ def run(tmp_path_factory):
     from megalm.data import load_tokenizer
     from megalm.train import run as train_run
     root = tmp_path_factory.mktemp("evaluate")
-    cfg = load("model=gpt_tiny", "model.vocab_size=1024", "data.max_corpus_mb=1", "data.split='90,10,0'", "data.tokenizer.vocab_size=1000",
+    cfg = load("model=gpt_tiny", "model.vocab_size=1024", "data.max_corpus_mb=1", "data.split='90,10,0'",
+               "data.tokenizer.vocab_size=1000",
                f"data.cache_dir={root / 'cache'}", "trainer.max_steps=30", "trainer.eval_interval=0",
                "trainer.eval_steps=1", "trainer.progress_bar=false", "optimizer.lr=3e-3", "cluster.peak_flops=1e12")
     train_run(cfg, root / "run", 1)

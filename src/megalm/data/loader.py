@@ -2,8 +2,9 @@
 
 build_data: source (mock | the stdlib's code or its docstrings' sentences tokenized into .bin/.idx |
 your .bin/.idx files) -> split by weights ("949,50,1") -> the family's sample indices per split and
-dataset (GPT's by default) -> Megatron's greedy blend when several datasets are weighted -> DataBundle. Each split is built for
-the number of samples training will draw (`num_samples`, see `num_samples_for`), as Megatron does.
+dataset (GPT's by default) -> Megatron's greedy blend when several datasets are weighted ->
+DataBundle. Each split is built for the number of samples training will draw (`num_samples`, see
+`num_samples_for`), as Megatron does.
 """
 
 from __future__ import annotations

@@ -1,41 +1,18 @@
-"""`python -m megalm.evaluate RUN_DIR TASK --data FILE`: score a trained decoder run.
-
-Tasks (each text is scored as a document: after the end-of-document token, as training saw it):
-
-- perplexity: a text file, in windows of model.seq_length tokens. Window k starts at k * --stride;
-  each target token is scored once, by the first window that reaches it, so every token after the
-  first window has at least seq_length - stride tokens of context (Megatron's --overlapping-eval;
-  --stride seq_length: disjoint windows). Reports the loss (mean NLL per token), perplexity
-  exp(min(20, loss)) and Megatron's token-ratio adjusted perplexity for WikiText: the summed NLL
-  per original word, words = text.strip().split(" ").
-- cloze: LAMBADA JSON lines {"text": ...}, the last word predicted from the rest, by argmax.
-  Strict (default): every token of " " + last word must be predicted; --non-strict: only the last
-  token of the whole text (Megatron's two modes).
-- choice: JSON lines {"context": str, "choices": [str, ...], "label": int}: each choice is scored by
-  its log-likelihood after the context (the choice text appended as written: put its leading space
-  in it); the highest wins. --normalize tokens | chars divides by the choice's length (acc_norm).
-
-Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json. The
-model runs in this process at the run's single-process layout (checkpoints load at any layout).
-"""
+"""Tasks scored by log-likelihood: perplexity, LAMBADA cloze, multiple choice (megalm.evaluate)."""
 
 from __future__ import annotations
 
-import argparse
+import gzip
 import json
 import math
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
+from megalm.errors import ConfigError, DataError
 
-PROG = "megalm.evaluate"
-TASKS = ("perplexity", "cloze", "choice")
 NORMALIZE = ("none", "tokens", "chars")
 MAX_LOSS_FOR_PPL = 20.0  # Megatron's cap: exp(min(20, loss))
 
@@ -103,10 +80,10 @@ def perplexity(scorer: Scorer, tokenizer, text: str, stride: int) -> Dict[str, A
             "adjusted_ppl": math.exp(min(MAX_LOSS_FOR_PPL, nll / words)), "token_ratio": count / words}
 
 
-def _lines(path: Path, fields: Sequence[str]) -> List[Tuple[int, Dict[str, Any]]]:
+def read_jsonl(path: Path, fields: Sequence[str]) -> List[Tuple[int, Dict[str, Any]]]:
     """(line number, record) of each non-blank JSON line, each with `fields`; errors name file:line."""
     records = []
-    with open(path, encoding="utf-8") as f:
+    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -124,7 +101,7 @@ def _lines(path: Path, fields: Sequence[str]) -> List[Tuple[int, Dict[str, Any]]
     return records
 
 
-def _fits(ids: List[int], seq_length: int, where: str) -> List[int]:
+def fits(ids: List[int], seq_length: int, where: str) -> List[int]:
     if len(ids) - 1 > seq_length:
         raise DataError(f"{where}: {len(ids) - 1} tokens to read (end-of-document token included) do not fit "
                         f"model.seq_length={seq_length}")
@@ -134,7 +111,7 @@ def _fits(ids: List[int], seq_length: int, where: str) -> List[int]:
 def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> List[Tuple[List[int], int]]:
     """One scoring row per LAMBADA line: [eod] + context + target, and where the target starts."""
     rows = []
-    for n, rec in _lines(path, ["text"]):
+    for n, rec in read_jsonl(path, ["text"]):
         text = rec["text"]
         if not isinstance(text, str) or not text.split():
             raise DataError(f"{path}:{n}: 'text' must be a string with at least one word")
@@ -145,7 +122,7 @@ def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> L
         else:
             tokens = tokenizer.encode(text)
             context, target = tokens[:-1], tokens[-1:]
-        rows.append((_fits([tokenizer.eod] + context + target, seq_length, f"{path}:{n}"), 1 + len(context)))
+        rows.append((fits([tokenizer.eod] + context + target, seq_length, f"{path}:{n}"), 1 + len(context)))
     return rows
 
 
@@ -154,11 +131,14 @@ def cloze(scorer: Scorer, tokenizer, path: Path, strict: bool = True) -> Dict[st
     return {"examples": len(hits), "strict": strict, "correct": sum(hits), "accuracy": sum(hits) / len(hits)}
 
 
-def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[List[Tuple[List[int], int]], List[Tuple[List[str], int]]]:
+Rows = List[Tuple[List[int], int]]
+
+
+def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tuple[List[str], int]]]:
     """Scoring rows of every choice of every line ([eod] + context + choice), and each line's
     (choices, label); its rows are consecutive."""
     rows, examples = [], []
-    for n, rec in _lines(path, ["context", "choices", "label"]):
+    for n, rec in read_jsonl(path, ["context", "choices", "label"]):
         options, label = rec["choices"], rec["label"]
         if not isinstance(options, list) or len(options) < 2 or not all(isinstance(c, str) and c for c in options):
             raise DataError(f"{path}:{n}: 'choices' must be a list of at least two non-empty strings")
@@ -170,7 +150,7 @@ def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[List[Tuple[List
             target = tokenizer.encode(c)
             if not target:
                 raise DataError(f"{path}:{n}: the choice {c!r} has no tokens")
-            rows.append((_fits(context + target, seq_length, f"{path}:{n}"), len(context)))
+            rows.append((fits(context + target, seq_length, f"{path}:{n}"), len(context)))
         examples.append((options, label))
     return rows, examples
 
@@ -189,72 +169,3 @@ def choice(scorer: Scorer, tokenizer, path: Path, normalize: str = "none") -> Di
         correct += int(max(range(len(options)), key=scores.__getitem__) == label)
     return {"examples": len(examples), "normalize": normalize, "correct": correct,
             "accuracy": correct / len(examples)}
-
-
-def evaluate(run_dir: Path, task: str, data: Path, *, stride: Optional[int] = None, strict: bool = True,
-             normalize: str = "none", batch_size: int = 8, device: str = "cpu", write: bool = True) -> Dict[str, Any]:
-    """Run one task on the run's latest checkpoint; return (and write) its results."""
-    from megalm.generate import load_for_generation
-    if task not in TASKS:
-        raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size={batch_size} must be at least 1")
-    data = Path(data).expanduser()
-    if not data.is_file():
-        raise MissingFileError(f"--data {data} does not exist")
-    cfg, model, tok, state = load_for_generation(Path(run_dir), device)
-    if cfg.model.arch != "gpt":
-        raise ConfigError(f"megalm.evaluate scores decoder models (model.arch=gpt); {run_dir} is "
-                          f"model.arch={cfg.model.arch}")
-    # The softmax over the model's vocabulary, as training's loss takes it (padding rows excluded).
-    scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
-    start = time.perf_counter()
-    if task == "perplexity":
-        text = data.read_text(encoding="utf-8")
-        if not text.strip():
-            raise DataError(f"{data} is empty")
-        metrics = perplexity(scorer, tok, text, cfg.model.seq_length if stride is None else stride)
-    elif task == "cloze":
-        metrics = cloze(scorer, tok, data, strict)
-    else:
-        metrics = choice(scorer, tok, data, normalize)
-    results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
-               "step": state["step"], **metrics, "seconds": round(time.perf_counter() - start, 3)}
-    if write:
-        out = Path(run_dir) / "eval" / f"{task}_{data.stem}.json"
-        out.parent.mkdir(exist_ok=True)
-        out.write_text(json.dumps(results, indent=1) + "\n")
-        results["written_to"] = str(out)
-    return results
-
-
-def format_table(results: Dict[str, Any]) -> str:
-    rows = [(k, f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in results.items()]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m megalm.evaluate", description=__doc__.split("\n")[0])
-    ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
-    ap.add_argument("task", choices=TASKS, help="what to score")
-    ap.add_argument("--data", type=Path, required=True,
-                    help="perplexity: a text file; cloze: JSON lines with 'text'; choice: JSON lines with "
-                         "'context', 'choices', 'label'")
-    ap.add_argument("--stride", type=int, default=None,
-                    help="perplexity: tokens between window starts, 1..seq_length (default seq_length: disjoint)")
-    ap.add_argument("--non-strict", action="store_true", help="cloze: score only the last token of the text")
-    ap.add_argument("--normalize", default="none", choices=NORMALIZE,
-                    help="choice: divide each choice's log-likelihood by its tokens or characters (default none)")
-    ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
-    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    args = ap.parse_args(argv)
-    with cli_errors(PROG):
-        from megalm.generate import _resolve_device
-        results = evaluate(args.run_dir, args.task, args.data, stride=args.stride, strict=not args.non_strict,
-                           normalize=args.normalize, batch_size=args.batch_size, device=_resolve_device(args.device))
-        print(format_table(results))
-
-
-if __name__ == "__main__":
-    main()

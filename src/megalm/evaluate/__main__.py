@@ -1,0 +1,3 @@
+from megalm.evaluate import main
+
+main()
