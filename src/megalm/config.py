@@ -206,9 +206,9 @@ class DataConfig:
     name: str = "stdlib"
     """Preset name."""
     source: str = "stdlib"
-    """stdlib (Python's sources, the default) | stdlib_prose (their docstrings as sentences, for BERT) | mock | indexed (.bin/.idx)."""
+    """stdlib (Python's sources, the default) | stdlib_prose (docstrings as sentences, for BERT) | mock | indexed | sft."""
     paths: List[str] = field(default_factory=list)
-    """One .bin/.idx prefix (source=indexed); Megatron's flat weighted form [w, prefix, w, prefix, ...] also works."""
+    """One .bin/.idx prefix (source=indexed; Megatron's flat weighted form [w, prefix, ...] also works); JSON-lines files (sft)."""
     blend: List[Any] = field(default_factory=list)
     """Weighted .bin/.idx prefixes (source=indexed): [[0.3, prefix_a], [0.7, prefix_b]] or flat [0.3, prefix_a, 0.7, prefix_b]."""
     split: str = "98,2,0"
@@ -221,6 +221,8 @@ class DataConfig:
     """Use at most this many MB of the stdlib corpus (0 = all of it)."""
     eod_mask_loss: bool = False
     """Zero the loss at positions whose input token is end-of-document (Megatron's --eod-mask-loss)."""
+    chat_template: str = "{role}: {content}\n"
+    """sft: how each chat message is written; the loss is on assistant messages' {content} and what follows it."""
     check_vocab: bool = True
     """Scan each .bin once (result cached) for token ids outside the tokenizer's vocabulary."""
 

@@ -26,7 +26,7 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
-    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed"),
+    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "cluster.backend": ("auto", "nccl", "gloo"),
@@ -159,6 +159,15 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
                               "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
+    if cfg.data.source == "sft":
+        if not cfg.data.paths or cfg.data.blend:
+            raise ConfigError("data.source=sft reads JSON-lines files of examples: set data.paths=[train.jsonl, ...] "
+                              "(data.blend is for .bin/.idx corpora)")
+        if cfg.data.tokenizer.type != "null" and not cfg.data.tokenizer.model:
+            raise ConfigError("data.source=sft needs the tokenizer the model was trained with: set "
+                              "data.tokenizer.model (e.g. <pretraining run>/tokenizer.model)")
+        from megalm.data.sft import template_parts
+        template_parts(cfg.data.chat_template, "user")
     _validate_vocab(cfg)
     for precision, peak in cfg.cluster.peak_flops_per_dtype.items():
         if precision not in CHOICES["trainer.precision"] or not peak > 0:

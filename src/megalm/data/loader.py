@@ -27,6 +27,7 @@ from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, g
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.sentences import split_sentences
+from megalm.data.sft import SFTDataset, read_examples
 from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from megalm.errors import DataError
@@ -35,7 +36,7 @@ log = logging.getLogger("megalm.data")
 
 Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
-SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed")
+SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft")
 STDLIB_SOURCES = ("stdlib", "stdlib_prose")
 _CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
 _ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
@@ -139,7 +140,7 @@ def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
             raise DataError(f"data.source={cfg.source} is text and needs tokenizer.type=sentencepiece or huggingface "
                             f"(got {cfg.tokenizer.type!r})")
         return build_tokenizer(cfg.tokenizer, _stdlib_text(cfg), Path(cfg.cache_dir).expanduser())
-    if cfg.source == "indexed":
+    if cfg.source in ("indexed", "sft"):
         return build_tokenizer(cfg.tokenizer)
     raise DataError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
 
@@ -183,6 +184,8 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
     if cfg.source == "mock":
         sets = [samples.mock(tokenizer, seq_length, seed, name, requested[name] or None) for name in _SPLITS]
         return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
+    if cfg.source == "sft":
+        return _sft_data(cfg, tokenizer, seq_length, seed, requested)
     sources = corpus_sources(cfg, tokenizer, cache_dir)
     sets: List[Optional[Dataset]] = []
     for k, name in enumerate(_SPLITS):
@@ -191,6 +194,18 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
     log.info("splits: %s", ", ".join(f"{n} {len(s) if s is not None else 0} samples"
                                      for n, s in zip(_SPLITS, sets)))
     return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
+
+
+def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
+              requested: Mapping[str, Optional[int]]) -> DataBundle:
+    """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py)."""
+    examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template)
+    parts = split_documents(len(examples), cfg.split)
+    sets = [SFTDataset([examples[j] for j in part], name, seed, requested[name]) if len(part) or name != "test"
+            else None for name, part in zip(_SPLITS, parts)]
+    log.info("sft: %d examples from %d file(s); %s", len(examples), len(cfg.paths),
+             ", ".join(f"{n} {len(p)} examples" for n, p in zip(_SPLITS, parts)))
+    return DataBundle(tokenizer, sets[0], sets[1], sets[2])
 
 
 def corpus_sources(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path) -> List[Tuple[float, IndexedDataset]]:

@@ -223,6 +223,9 @@ def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
+    if cfg.data.source == "sft":
+        raise ConfigError("data.source=sft fine-tunes decoder models on responses; BERT (model.arch=bert) "
+                          "does not generate")
     if cfg.data.source == "stdlib":
         raise ConfigError("data.source=stdlib is Python code, not sentences: BERT trains on sentence-split text; use "
                           "data=stdlib_prose (the stdlib's docstrings), data=indexed with a corpus from "

@@ -1,0 +1,141 @@
+"""Supervised fine-tuning samples for decoder models: the loss on responses only (data=sft).
+
+Each line of the JSON-lines files in data.paths is one example, either
+  {"prompt": str, "response": str}                        a single turn, or
+  {"messages": [{"role": str, "content": str}, ...]}      a chat, at least one "assistant" message.
+An example becomes one sample of seq_length + 1 tokens, as training sees a document:
+  [eod] prompt response [eod]             (loss on the response and the final eod)
+  [eod] m1 m2 ... [eod]                   each message rendered by data.chat_template, split at
+                                          {content}: the loss is on the content and the rest of the
+                                          template of every assistant message, and the final eod
+then padded (with eod, no loss). Pieces are tokenized one by one, so the boundary between what
+is learned and what is given is exact. An example that does not fit is an error naming its file
+and line: nothing is cut silently. data.split divides the examples in file order; the training
+order is a fresh permutation of the split's examples each epoch (numpy RandomState(seed + epoch)),
+so a sample depends on its index only, at any layout.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megalm.errors import ConfigError, DataError
+
+ROLES = ("system", "user", "assistant")
+ASSISTANT = "assistant"
+
+
+def template_parts(template: str, role: str) -> Tuple[str, str]:
+    """(text before the content, text after it) of data.chat_template for `role`."""
+    if template.count("{content}") != 1:
+        raise ConfigError(f"data.chat_template={template!r} must hold {{content}} exactly once "
+                          "(and may hold {role})")
+    before, after = template.split("{content}")
+    try:
+        return before.format(role=role), after.format(role=role)
+    except (KeyError, IndexError, ValueError) as e:
+        raise ConfigError(f"data.chat_template={template!r}: only {{role}} and {{content}} may be filled in ({e})") \
+            from None
+
+
+def example_pieces(record, template: str, where: str) -> List[Tuple[str, bool]]:
+    """(text, learned) pieces of one JSON record, in order."""
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: an example is a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+        pieces = []
+        for k, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
+                raise DataError(f"{where}: message {k} must be {{\"role\": one of {', '.join(ROLES)}, "
+                                f"\"content\": a string}}, got {json.dumps(m)[:80]}")
+            before, after = template_parts(template, m["role"])
+            learned = m["role"] == ASSISTANT
+            pieces += [(before, False), (m["content"] + after, learned)]
+        if not any(learned for _, learned in pieces):
+            raise DataError(f"{where}: the chat has no assistant message to learn from")
+        return pieces
+    missing = [k for k in ("prompt", "response") if not isinstance(record.get(k), str)]
+    if missing:
+        raise DataError(f"{where}: needs string fields 'prompt' and 'response' (or 'messages'); "
+                        f"{', '.join(repr(k) for k in missing)} missing or not a string")
+    if not record["response"]:
+        raise DataError(f"{where}: the response is empty: nothing to learn")
+    return [(record["prompt"], False), (record["response"], True)]
+
+
+def encode_example(pieces: Sequence[Tuple[str, bool]], tokenizer, seq_length: int,
+                   where: str) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids, learned) of seq_length + 1 tokens: [eod] pieces [eod], padded with eod (learned 0)."""
+    ids, learned = [tokenizer.eod], [False]
+    for text, learn in pieces:
+        piece = tokenizer.encode(text) if text else []
+        ids += piece
+        learned += [learn] * len(piece)
+    ids.append(tokenizer.eod)
+    learned.append(True)  # the model learns to end its answer
+    if len(ids) > seq_length + 1:
+        raise DataError(f"{where}: the example is {len(ids)} tokens with its end-of-document tokens; "
+                        f"model.seq_length={seq_length} takes at most {seq_length + 1}")
+    pad = seq_length + 1 - len(ids)
+    return (np.array(ids + [tokenizer.eod] * pad, dtype=np.int64),
+            np.array(learned + [False] * pad, dtype=bool))
+
+
+def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
+                  template: str) -> List[Tuple[np.ndarray, np.ndarray]]:
+    examples = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.paths: {path} does not exist")
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                where = f"{path}:{n}"
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(f"{where}: not JSON ({e.msg})") from None
+                examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
+    if not examples:
+        raise DataError(f"data.paths {list(paths)} hold no examples")
+    return examples
+
+
+class SFTDataset:
+    """Samples of one split: dicts of tokens, labels (IGNORE where nothing is learned) and
+    loss_mask, each (seq_length,)."""
+
+    def __init__(self, examples: Sequence[Tuple[np.ndarray, np.ndarray]], name: str, seed: int,
+                 num_samples: Optional[int]):
+        if not examples and num_samples:
+            raise DataError(f"the {name} split has no SFT examples; give data.split a larger {name} part or "
+                            "more examples")
+        self.examples, self.name, self.seed = list(examples), name, seed
+        n = len(self.examples)
+        self.num_samples = (num_samples or n) if n else 0
+        self._order: Tuple[int, Optional[np.ndarray]] = (-1, None)  # the last epoch's permutation
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        from megalm.models.losses import IGNORE
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
+        n = len(self.examples)
+        epoch, k = divmod(i, n)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.RandomState((self.seed + epoch) % 2**32).permutation(n))
+        order = self._order[1]
+        ids, learned = self.examples[int(order[k])]
+        labels = np.where(learned[1:], ids[1:], IGNORE)
+        return {"tokens": ids[:-1], "labels": labels, "loss_mask": learned[1:].astype(np.float32)}
