@@ -1,0 +1,134 @@
+"""megalm as an lm-evaluation-harness model: any harness task on a megalm run directory.
+
+    python -m megalm.evaluate.harness RUN_DIR --tasks lambada_openai,hellaswag [--include-path DIR]
+
+or from Python, `lm_eval.simple_evaluate(model="megalm", model_args={"run_dir": RUN_DIR}, ...)` once
+this module is imported (it registers the name). Needs the `megalm[harness]` extra (lm_eval); the
+harness fetches its tasks' data sets itself, so offline runs use tasks over local files
+(`--include-path`).
+
+Every text is read as a document (after the end-of-document token), as training saw it and as
+megalm.evaluate scores it: loglikelihood gives the log-probability of the continuation after the
+context (trailing spaces of the context move to the continuation, as the harness's own models
+do; a context too long for the model loses its oldest tokens), loglikelihood_rolling the summed
+log-probability of a string over disjoint windows of model.seq_length, generate_until greedy or
+sampled text cut at the first stop string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from megalm.errors import ConfigError, cli_errors
+from megalm.evaluate.likelihood import Scorer, windows
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError as e:  # the optional extra
+    raise ConfigError(f"megalm.evaluate.harness needs lm-evaluation-harness ({e}): pip install "
+                      "'megalm[harness]'") from None
+
+PROG = "megalm.evaluate.harness"
+
+
+@register_model("megalm")
+class MegalmLM(LM):
+    """A megalm run directory's latest checkpoint, in this process."""
+
+    def __init__(self, run_dir: str, device: str = "cpu", batch_size: int = 8, **_: Any) -> None:
+        super().__init__()
+        from megalm.generate import load_for_generation
+        self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
+        if self.cfg.model.arch != "gpt":
+            raise ConfigError(f"the harness scores decoder models (model.arch=gpt); {run_dir} is "
+                              f"model.arch={self.cfg.model.arch}")
+        self.seq_length = self.cfg.model.seq_length
+        self.scorer = Scorer(self.model, self.cfg.model.vocab_size, self.seq_length, self.tokenizer.eod,
+                             int(batch_size))
+
+    def _row(self, context: str, continuation: str) -> Tuple[List[int], int]:
+        stripped = context.rstrip()
+        continuation, context = context[len(stripped):] + continuation, stripped
+        ctx = [self.tokenizer.eod] + self.tokenizer.encode(context)
+        cont = self.tokenizer.encode(continuation)
+        if not cont:
+            raise ConfigError(f"the continuation {continuation!r} has no tokens to score")
+        keep = self.seq_length + 1 - len(cont)  # the oldest context goes first
+        if keep < 1:
+            raise ConfigError(f"a continuation of {len(cont)} tokens does not fit model.seq_length={self.seq_length}")
+        ctx = ctx[-keep:]
+        return ctx + cont, len(ctx)
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> List[Tuple[float, bool]]:
+        scored = self.scorer.score([self._row(*r.args) for r in requests])
+        return [(float(s.logprobs.sum()), bool(s.argmax_hits.all())) for s in scored]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
+        out = []
+        for r in requests:
+            ids = [self.tokenizer.eod] + self.tokenizer.encode(r.args[0])
+            if len(ids) < 2:
+                out.append(0.0)
+                continue
+            spans = windows(len(ids), self.seq_length, self.seq_length)
+            scored = self.scorer.score([(ids[s:e + 1], first - s) for s, e, first in spans])
+            out.append(float(sum(s.logprobs.sum() for s in scored)))
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
+        from megalm.evaluate.generation import complete
+        out = []
+        for r in requests:
+            context, kwargs = r.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kwargs.pop("max_gen_toks", 256))
+            ids = self.tokenizer.encode(context)
+            room = self.seq_length - 1 - max(1, min(max_new, self.seq_length // 2))
+            text = self.tokenizer.decode(ids[-room:]) if len(ids) > room else context  # keep the newest context
+            temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+            out.append(complete(self.model, self.tokenizer, text, max_new_tokens=max_new, stop=until,
+                                seq_length=self.seq_length, vocab_size=self.tokenizer.vocab_size,
+                                temperature=temperature, seed=int(kwargs.pop("seed", 0) or 0),
+                                where="generate_until"))
+        return out
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
+    ap.add_argument("--tasks", required=True, help="comma-separated harness task names")
+    ap.add_argument("--include-path", default=None, help="a folder of task YAML files of your own")
+    ap.add_argument("--limit", type=float, default=None, help="examples per task (a fraction if < 1)")
+    ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    args = ap.parse_args(argv)
+    with cli_errors(PROG):
+        results = run_harness(args.run_dir, args.tasks.split(","), include_path=args.include_path, limit=args.limit,
+                              num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device)
+        print(json.dumps(results, indent=1, default=str))
+
+
+def run_harness(run_dir: Path, tasks: List[str], *, include_path: Optional[str] = None, limit=None,
+                num_fewshot: Optional[int] = None, batch_size: int = 8, device: str = "cpu") -> Dict[str, Any]:
+    """lm_eval.simple_evaluate on the run; the per-task metrics, also written to RUN_DIR/eval/harness.json."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+    model = MegalmLM(str(run_dir), device=device, batch_size=batch_size)
+    out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                                  task_manager=TaskManager(include_path=include_path), log_samples=False)
+    results = {"run": str(run_dir), "step": model.state["step"], "results": out["results"]}
+    path = Path(run_dir) / "eval" / "harness.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""megalm as an lm-evaluation-harness model, offline: a harness task over a local file runs end to
+end, and the model's log-likelihoods equal transformers' on the exported weights."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from lm_eval.api.instance import Instance
+
+from test_evaluate import CHOICES, TEXT, _hf_logprobs, run  # noqa: F401
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    for name in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(name, "1")
+
+
+def _instances(kind, args):
+    return [Instance(request_type=kind, doc={}, arguments=a, idx=i, metadata=("t", i, 1)) for i, a in enumerate(args)]
+
+
+def test_loglikelihood_equals_transformers(run):
+    from megalm.evaluate.harness import MegalmLM
+    run_dir, hf, tok = run
+    lm = MegalmLM(str(run_dir), batch_size=2)
+    pairs = [("import os\nimport", " sys"), ("The quick brown ", "fox"), ("", "def f():"),
+             ("x = 1\n" * 20, " y")]  # the last one's context is longer than the model takes
+    got = lm.loglikelihood(_instances("loglikelihood", pairs))
+    for (context, cont), (lp, greedy) in zip(pairs, got):
+        stripped = context.rstrip()
+        cont = context[len(stripped):] + cont  # trailing spaces move to the continuation
+        ctx = ([tok.eod] + tok.encode(stripped))
+        target = tok.encode(cont)
+        ctx = ctx[-(32 + 1 - len(target)):]
+        ref, hits = _hf_logprobs(hf, ctx, target)
+        assert lp == pytest.approx(float(ref.sum()), rel=1e-6) and greedy == bool(hits.all())
+
+
+def test_rolling_loglikelihood_is_the_perplexity_tasks_sum(run, tmp_path):
+    from megalm.evaluate import evaluate
+    from megalm.evaluate.harness import MegalmLM
+    run_dir, _, _ = run
+    (tmp_path / "t.txt").write_text(TEXT)
+    want = evaluate(run_dir, "perplexity", tmp_path / "t.txt", write=False)["nll"]
+    (got,) = MegalmLM(str(run_dir)).loglikelihood_rolling(_instances("loglikelihood_rolling", [(TEXT,)]))
+    assert -got == pytest.approx(want, rel=1e-9)
+
+
+def test_generate_until_stops_at_the_stop_strings(run):
+    from megalm.evaluate.generation import complete
+    from megalm.evaluate.harness import MegalmLM
+    run_dir, _, tok = run
+    lm = MegalmLM(str(run_dir))
+    (free,) = lm.generate_until(_instances("generate_until", [("def f(", {"until": [], "max_gen_toks": 12})]))
+    assert free == complete(lm.model, tok, "def f(", max_new_tokens=12, stop=[], seq_length=32,
+                            vocab_size=tok.vocab_size)
+    assert free  # something was generated
+    stop = free[len(free) // 2:len(free) // 2 + 1]
+    (cut,) = lm.generate_until(_instances("generate_until", [("def f(", {"until": [stop], "max_gen_toks": 12})]))
+    assert cut == free[:free.index(stop)]
+
+
+def test_a_local_harness_task_runs_offline_and_agrees_with_megalm_choice(run, tmp_path):
+    from megalm.evaluate import evaluate
+    from megalm.evaluate.harness import run_harness
+    run_dir, _, _ = run
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CHOICES * 3))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "local_mc.yaml").write_text(
+        "task: megalm_local_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ntarget_delimiter: ''\n"
+        "doc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
+        "metric_list:\n  - metric: acc\n")
+    results = run_harness(run_dir, ["megalm_local_mc"], include_path=str(tasks))
+    acc = results["results"]["megalm_local_mc"]["acc,none"]
+    assert acc == evaluate(run_dir, "choice", data, write=False)["accuracy"]
+    assert json.loads((run_dir / "eval" / "harness.json").read_text())["results"]["megalm_local_mc"]["acc,none"] == acc
