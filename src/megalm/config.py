@@ -221,6 +221,12 @@ class DataConfig:
     """Use at most this many MB of the stdlib corpus (0 = all of it)."""
     eod_mask_loss: bool = False
     """Zero the loss at positions whose input token is end-of-document (Megatron's --eod-mask-loss)."""
+    valid_paths: List[str] = field(default_factory=list)
+    """classification: validation files (empty: data.split divides data.paths)."""
+    task: str = "jsonl"
+    """classification: the files' layout: jsonl ({text, text_pair?, label}) | mnli | qqp | sst2 | cola | stsb (GLUE's TSV)."""
+    labels: List[str] = field(default_factory=list)
+    """classification, task=jsonl: the class names in label order (empty: integer labels, or a regression)."""
     chat_template: str = "{role}: {content}\n"
     """sft: how each chat message is written; the loss is on assistant messages' {content} and what follows it."""
     check_vocab: bool = True

@@ -26,7 +26,7 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
-    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft"),
+    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "cluster.backend": ("auto", "nccl", "gloo"),
@@ -159,6 +159,9 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
                               "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
+    if cfg.data.source == "classification" and not cfg.data.paths:
+        raise ConfigError("data.source=classification reads labelled examples: set data.paths=[train file, ...] "
+                          "(and data.valid_paths, data.task)")
     if cfg.data.source == "sft":
         if not cfg.data.paths or cfg.data.blend:
             raise ConfigError("data.source=sft reads JSON-lines files of examples: set data.paths=[train.jsonl, ...] "

@@ -273,6 +273,25 @@ class BertDataset:
                            self.binary_head, self.continues_word)
 
 
+def pair_sample(a: List[int], b: Optional[List[int]], label, seq_length: int, specials: Specials) -> Dict[str, np.ndarray]:
+    """A classification sample as Megatron lays it out: [CLS] a [SEP] (b [SEP]), token types 0 / 1,
+    the longer text trimmed from its end first until it fits, padded; `label` an int or a float."""
+    a, b = list(a), (list(b) if b is not None else None)
+    room = seq_length - (3 if b is not None else 2)
+    while len(a) + len(b or []) > room:
+        longer = a if b is None or len(a) > len(b) else b
+        longer.pop()
+    tokens = [specials.cls, *a, specials.sep] + ([*b, specials.sep] if b is not None else [])
+    n = len(tokens)
+    out = {"tokens": np.full(seq_length, specials.pad, dtype=np.int64), "token_types": np.zeros(seq_length, np.int64),
+           "padding_mask": np.zeros(seq_length, np.int64),
+           "label": np.array(label, dtype=np.float32 if isinstance(label, float) else np.int64)}
+    out["tokens"][:n] = tokens
+    out["token_types"][len(a) + 2:n] = 1
+    out["padding_mask"][:n] = 1
+    return out
+
+
 class BertSamples:
     """How the BERT family makes its samples (megalm.data.build_data's `samples`)."""
 
@@ -280,9 +299,19 @@ class BertSamples:
 
     def __init__(self, model_cfg):
         self.binary_head = model_cfg.binary_head
+        self.num_labels = getattr(model_cfg, "num_labels", 0)
 
     def mock(self, tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
         return MockBertDataset(tokenizer, seq_length, seed, name, num_samples, binary_head=self.binary_head)
+
+    def classification(self, tokenizer, seq_length: int):
+        """example -> sample (megalm.data.classification.Example to pair_sample's dict)."""
+        specials = bert_specials(tokenizer)
+
+        def make(example):
+            pair = tokenizer.encode(example.pair) if example.pair is not None else None
+            return pair_sample(tokenizer.encode(example.text), pair, example.label, seq_length, specials)
+        return make
 
     def dataset(self, indexed, documents: range, *, tokenizer, seq_length: int, seed: int, name: str,
                 num_samples: Optional[int], cache_dir) -> BertDataset:

@@ -36,7 +36,7 @@ log = logging.getLogger("megalm.data")
 
 Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
-SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft")
+SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification")
 STDLIB_SOURCES = ("stdlib", "stdlib_prose")
 _CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
 _ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
@@ -140,7 +140,7 @@ def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
             raise DataError(f"data.source={cfg.source} is text and needs tokenizer.type=sentencepiece or huggingface "
                             f"(got {cfg.tokenizer.type!r})")
         return build_tokenizer(cfg.tokenizer, _stdlib_text(cfg), Path(cfg.cache_dir).expanduser())
-    if cfg.source in ("indexed", "sft"):
+    if cfg.source in ("indexed", "sft", "classification"):
         return build_tokenizer(cfg.tokenizer)
     raise DataError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
 
@@ -186,6 +186,8 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
         return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
     if cfg.source == "sft":
         return _sft_data(cfg, tokenizer, seq_length, seed, requested)
+    if cfg.source == "classification":
+        return _classification_data(cfg, tokenizer, seq_length, seed, requested, samples)
     sources = corpus_sources(cfg, tokenizer, cache_dir)
     sets: List[Optional[Dataset]] = []
     for k, name in enumerate(_SPLITS):
@@ -206,6 +208,24 @@ def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
     log.info("sft: %d examples from %d file(s); %s", len(examples), len(cfg.paths),
              ", ".join(f"{n} {len(p)} examples" for n, p in zip(_SPLITS, parts)))
     return DataBundle(tokenizer, sets[0], sets[1], sets[2])
+
+
+def _classification_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
+                         requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
+    """data.paths for training, data.valid_paths for validation (empty: data.split of data.paths)."""
+    from megalm.data.classification import ClassificationDataset, read_examples
+    if not hasattr(samples, "classification"):
+        raise DataError("data.source=classification: this model family has no classification samples")
+    make = samples.classification(tokenizer, seq_length)
+    train = read_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels)
+    if cfg.valid_paths:
+        valid = read_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels)
+    else:
+        parts = split_documents(len(train), cfg.split)
+        train, valid = [train[j] for j in parts[0]], [train[j] for j in parts[1]]
+    log.info("classification (%s): %d training and %d validation examples", cfg.task, len(train), len(valid))
+    return DataBundle(tokenizer, ClassificationDataset(train, make, "train", seed, requested["train"]),
+                      ClassificationDataset(valid, make, "valid", seed, requested["valid"]), None)
 
 
 def corpus_sources(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path) -> List[Tuple[float, IndexedDataset]]:

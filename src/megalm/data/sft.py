@@ -110,6 +110,21 @@ def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
     return examples
 
 
+class EpochShuffle:
+    """Sample index i -> the example at position i % n of epoch i // n's permutation, drawn by
+    numpy RandomState(seed + epoch): a fresh order each epoch, the same at every layout."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._order: Tuple[int, Optional[np.ndarray]] = (-1, None)  # the last epoch's permutation
+
+    def __call__(self, i: int) -> int:
+        epoch, k = divmod(i, self.n)
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.RandomState((self.seed + epoch) % 2**32).permutation(self.n))
+        return int(self._order[1][k])
+
+
 class SFTDataset:
     """Samples of one split: dicts of tokens, labels (IGNORE where nothing is learned) and
     loss_mask, each (seq_length,)."""
@@ -119,10 +134,10 @@ class SFTDataset:
         if not examples and num_samples:
             raise DataError(f"the {name} split has no SFT examples; give data.split a larger {name} part or "
                             "more examples")
-        self.examples, self.name, self.seed = list(examples), name, seed
+        self.examples, self.name = list(examples), name
         n = len(self.examples)
         self.num_samples = (num_samples or n) if n else 0
-        self._order: Tuple[int, Optional[np.ndarray]] = (-1, None)  # the last epoch's permutation
+        self.order = EpochShuffle(n, seed)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -131,11 +146,6 @@ class SFTDataset:
         from megalm.models.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
-        n = len(self.examples)
-        epoch, k = divmod(i, n)
-        if self._order[0] != epoch:
-            self._order = (epoch, np.random.RandomState((self.seed + epoch) % 2**32).permutation(n))
-        order = self._order[1]
-        ids, learned = self.examples[int(order[k])]
+        ids, learned = self.examples[self.order(i)]
         labels = np.where(learned[1:], ids[1:], IGNORE)
         return {"tokens": ids[:-1], "labels": labels, "loss_mask": learned[1:].astype(np.float32)}

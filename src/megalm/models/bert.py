@@ -46,6 +46,8 @@ class BertConfig(ModelConfig):
     """The sentence-order prediction head and loss (Megatron's --bert-binary-head; samples then hold two segments)."""
     norm_position: str = "pre"
     """pre (Megatron: norm before each sub-layer, a final norm) | post (original BERT / Hugging Face)."""
+    num_labels: int = 0
+    """0: pretraining heads (MLM, sentence order); N >= 2: a classifier over N classes, 1: a regressor (fine-tuning)."""
 
 
 class BertEmbedding(nn.Module):
@@ -124,16 +126,28 @@ class BERT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): BertLayer(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[nn.Module] = build_norm(cfg) if cfg.norm_position == "pre" else None
         self.pooler: Optional[Pooler] = Pooler(h)
-        self.lm_head: Optional[MLMHead] = MLMHead(cfg, V)
-        self.lm_head.out.weight = self.embed.tok.weight
-        self.binary_head: Optional[nn.Linear] = nn.Linear(h, 2) if cfg.binary_head else None
-        self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
-        self.metric_names: Tuple[str, ...] = ("lm_loss", "mlm_acc") + (("sop_loss", "sop_acc") if cfg.binary_head else ())
+        self.classifier: Optional[nn.Linear] = None
+        self.classifier_drop: Optional[nn.Dropout] = None
+        self.lm_head: Optional[MLMHead] = None
+        self.binary_head: Optional[nn.Linear] = None
+        self.criterion: Optional[nn.Module] = None
+        if cfg.num_labels:  # fine-tuning: Megatron's Classification head, pooler -> dropout -> linear
+            self.classifier_drop, self.classifier = nn.Dropout(cfg.dropout), nn.Linear(h, cfg.num_labels)
+            self.metric_names: Tuple[str, ...] = ("acc",) if cfg.num_labels > 1 else ()
+        else:
+            self.lm_head = MLMHead(cfg, V)
+            self.lm_head.out.weight = self.embed.tok.weight
+            self.binary_head = nn.Linear(h, 2) if cfg.binary_head else None
+            self.criterion = LMLoss(cfg.vocab_size)
+            self.metric_names = ("lm_loss", "mlm_acc") + (("sop_loss", "sop_acc") if cfg.binary_head else ())
         """What `loss_and_metrics` reports beside the loss (the trainer logs them)."""
+        self.new_heads: Tuple[str, ...] = ("classifier",) if cfg.num_labels else ()
+        """Modules a fine-tuning start initialises afresh: a pretrained checkpoint does not hold them."""
 
     def forward(self, *inputs: torch.Tensor, part: Optional[Part] = None):
         """(tokens, token_types, padding_mask), each (B, T) → (MLM logits (B, T, V), sentence-order
-        logits (B, 2)), or the MLM logits alone without the binary head.
+        logits (B, 2)), or the MLM logits alone without the binary head; with num_labels, the
+        classifier's (B, num_labels).
 
         With `part` (a pipeline stage) only its layers run: a stage after the first takes
         (hidden (B, T, h), padding_mask), and one before the last returns them.
@@ -152,6 +166,8 @@ class BERT(nn.Module):
             return x, padding_mask
         if self.norm is not None:
             x = self.norm(x)
+        if self.classifier is not None:
+            return self.classifier(self.classifier_drop(self.pooler(x)))
         logits = self.lm_head(x)  # (B, T, V), or this rank's vocabulary shard under TP
         if self.binary_head is None:
             return logits
@@ -165,6 +181,8 @@ class BERT(nn.Module):
         """The loss, and `metric_names`' values on this micro-batch (detached): the MLM loss and the
         fraction of masked tokens predicted right; with the binary head, the sentence-order loss
         and accuracy."""
+        if self.classifier is not None:
+            return self.classification_loss(output, batch["label"])
         logits, order = (output, None) if self.binary_head is None else output
         mask = batch["loss_mask"].float()
         lm = self.criterion(logits, batch["labels"], mask)
@@ -178,6 +196,16 @@ class BERT(nn.Module):
         return loss, torch.stack([v.float() for v in values])
 
 
+    def classification_loss(self, logits: torch.Tensor, label: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Cross-entropy over the classes and the accuracy, or with one label the mean squared error
+        of the regression (labels float)."""
+        if self.cfg.num_labels == 1:
+            loss = F.mse_loss(logits.float()[:, 0], label.float())
+            return loss, torch.zeros(0, device=loss.device)
+        loss = F.cross_entropy(logits.float(), label.long())
+        return loss, (logits.argmax(-1) == label).float().mean().detach()[None]
+
+
 def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:
     """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual
     output projections init_std / sqrt(2 * num_layers) (Megatron's scaled init), norms 1, biases 0."""
@@ -189,6 +217,8 @@ def flops_per_token(cfg: BertConfig, seq_length: Optional[int] = None) -> float:
     (h x V_padded) matmuls on every token (the pooler and binary head act on one token a sequence)."""
     from megalm.models.flops import flops_per_token as transformer
     h = cfg.hidden_size
+    if cfg.num_labels:  # the classifier acts on one token a sequence; no MLM head
+        return transformer(cfg, seq_length) - 6.0 * h * cfg.padded_vocab_size
     return transformer(cfg, seq_length) + 6.0 * h * h
 
 
@@ -223,6 +253,16 @@ def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
+    if cfg.data.source == "classification" or m.num_labels:
+        from megalm.data.classification import num_classes
+        if cfg.data.source != "classification":
+            raise ConfigError(f"model.num_labels={m.num_labels} fine-tunes a classifier on labelled examples: "
+                              "set data=classification (or model.num_labels=0 to pretrain)")
+        need = num_classes(cfg.data.task, cfg.data.labels, m.num_labels)
+        if m.num_labels < 1 or need != m.num_labels:
+            raise ConfigError(f"data.task={cfg.data.task} has {need or 'integer'} label(s) "
+                              f"({'a regression' if need == 1 else 'classes'}), but model.num_labels={m.num_labels}; "
+                              f"set model.num_labels={max(need, 1) if need else 'the number of classes'}")
     if cfg.data.source == "sft":
         raise ConfigError("data.source=sft fine-tunes decoder models on responses; BERT (model.arch=bert) "
                           "does not generate")
@@ -251,7 +291,8 @@ def samples(cfg: BertConfig):
 FAMILY = Family(
     name="bert", config=BertConfig, build=BERT, init_weights=init_weights, flops_per_token=flops_per_token,
     validate=validate, tp_plan=tp_plan, inputs=("tokens", "token_types", "padding_mask"),
-    parts=Parts(layers="blocks", first=("embed",), last=("norm", "pooler", "lm_head", "binary_head", "criterion"),
+    parts=Parts(layers="blocks", first=("embed",),
+                last=("norm", "pooler", "lm_head", "binary_head", "criterion", "classifier", "classifier_drop"),
                 selective=("attn.core",)),
     samples=samples,
     hf="megalm.models.bert_hf", vocab_params=VOCAB_PARAMS, tied=(("lm_head.out.weight", "embed.tok.weight"),))

@@ -135,6 +135,9 @@ def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
+    if cfg.data.source == "classification":
+        raise ConfigError("data.source=classification fine-tunes BERT's classifier (model=bert_*); GPT has no "
+                          "classification head yet: fine-tune it with data=sft, or score it with megalm.evaluate choice")
     if m.head_dim % 2 and m.position_embedding == "rope":
         raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
 

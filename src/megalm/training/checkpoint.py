@@ -294,7 +294,11 @@ class Checkpointer:
         if metadata is None:  # once: shapes, rank streams, and the load
             metadata = read_metadata(path).state_dict_metadata
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
-        check_shapes(path, metadata, state["model"])
+        weights_only = optimizer is None  # a fine-tuning start: new heads may be missing, old ones left
+        fresh = check_shapes(path, metadata, state["model"], fresh=getattr(model, "new_heads", ()) if weights_only
+                             else (), ignore_unexpected=weights_only and bool(getattr(model, "new_heads", ())))
+        for key in fresh:
+            state["model"].pop(key, None)
         if optimizer is not None:
             state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state(),
                          **_rank_streams(layout, self.tp_group, metadata))

@@ -54,7 +54,7 @@ def plan_start(cfg: Config, checkpointer, tokenizer, run_dir: Path) -> Start:
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{start.path / STATE_FILE} is not readable ({e}); the step folder is incomplete")
     _check_tokenizer(start, tokenizer, run_dir if latest is not None else None)
-    start.metadata = _check_model(start.path, cfg)
+    start.metadata = _check_model(start.path, cfg, start.weights_only)
     return start
 
 
@@ -72,16 +72,18 @@ def _check_tokenizer(start: Start, tokenizer, run_dir: Optional[Path]) -> None:
                           f"tokenizer is {describe(tokenizer_record(tokenizer))}; {hint}")
 
 
-def _check_model(path: Path, cfg: Config):
+def _check_model(path: Path, cfg: Config, weights_only: bool = False):
     """The stored tensors against the global shapes of this model config, on the meta device;
-    returns the checkpoint's metadata (state_dict_metadata)."""
+    returns the checkpoint's metadata (state_dict_metadata). Fine-tuning a model with new heads
+    (a classifier on a pretrained BERT) takes the tensors the two share."""
     from megalm.models import build_model
     from megalm.training.checkpoint_shapes import check_shapes
     from megalm.training.safe_load import read_metadata
     from megalm.training.sharded_state import model_entries
     model = build_model(cfg.model, device="meta")
     metadata = read_metadata(path).state_dict_metadata
-    check_shapes(path, metadata, model_entries(model), gather=False)
+    heads = getattr(model, "new_heads", ()) if weights_only else ()
+    check_shapes(path, metadata, model_entries(model), gather=False, fresh=heads, ignore_unexpected=bool(heads))
     return metadata
 
 
