@@ -1,10 +1,13 @@
-"""Data-pipeline benchmarks: `python -m megalm.data.benchmark {index,blend,preprocess,all}`.
+"""Data-pipeline benchmarks: `python -m megalm.data.benchmark {index,blend,bert,preprocess,all}`.
 
 - index: Megatron GPT indices for a synthetic billion-token corpus (10M documents, geometric
   lengths of mean 100; lengths only, no .bin), for one epoch and for 1.5 epochs (a separated,
   shuffled-apart last epoch).
 - blend: the greedy blending index for 10M samples over 2, 3 and 8 datasets, against the plain
   sequential loop timed on a slice and extrapolated.
+- bert: BERT's sample index (megalm.data.sentence_index) for 1M sentences in documents of about
+  20 and of 1-2 sentences, side by side with megatron-core's compiled build_mapping when it is
+  installed (the rows are checked equal).
 - preprocess: a synthetic JSON-lines corpus built from the Python standard library's sources
   (repeated to --mb MB) tokenized with a sentencepiece model trained on it, with 1 and 2 workers.
 Numbers go to stdout as JSON lines; docs/PERFORMANCE.md records a run.
@@ -69,6 +72,33 @@ def bench_blend(size: int = 10_000_000) -> List[Dict]:
     return out
 
 
+def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]:
+    from megalm.data.sentence_index import build_sentence_mapping
+    try:
+        from megatron.core.datasets import helpers
+    except ImportError:
+        helpers = None
+    rng = np.random.default_rng(0)
+    out = []
+    for per_doc in (20, 2):
+        counts = rng.integers(1, 2 * per_doc, sentences // per_doc)
+        docs = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        sizes = rng.integers(1, 60, int(docs[-1])).astype(np.int32)
+        for _ in range(repeats):
+            start = time.perf_counter()
+            rows = build_sentence_mapping(docs, sizes, None, 509, 0.1, 1234, 2)
+            record = {"bench": "bert_index", "sentences": int(docs[-1]), "mean_sentences_per_doc": per_doc,
+                      "samples": len(rows), "megalm_s": round(time.perf_counter() - start, 4)}
+            if helpers is not None:
+                start = time.perf_counter()
+                ref = helpers.build_mapping(docs, sizes, 1, 2**63 - 1, 509, 0.1, 1234, False, 2)
+                record["megatron_core_s"] = round(time.perf_counter() - start, 4)
+                record["equal"] = bool(np.array_equal(rows, np.asarray(ref).astype(np.int64).reshape(-1, 3)))
+            _emit(record)
+            out.append(record)
+    return out
+
+
 def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
     """JSON lines of the stdlib's *.py files, repeated until the file holds `mb` MB."""
     from megalm.data.corpora import stdlib_corpus
@@ -117,7 +147,7 @@ def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, wo
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="megalm.data.benchmark", description=__doc__.split("\n\n")[0])
-    p.add_argument("what", nargs="?", default="all", choices=("index", "blend", "preprocess", "all"))
+    p.add_argument("what", nargs="?", default="all", choices=("index", "blend", "bert", "preprocess", "all"))
     p.add_argument("--workdir", default="/tmp/megalm-data-bench")
     p.add_argument("--mb", type=float, default=80.0, help="size of the synthetic JSONL for preprocess")
     args = p.parse_args(argv)
@@ -129,6 +159,8 @@ def main(argv=None) -> int:
         bench_index()
     if args.what in ("blend", "all"):
         bench_blend()
+    if args.what in ("bert", "all"):
+        bench_bert_index()
     if args.what in ("preprocess", "all"):
         bench_preprocess(Path(args.workdir), args.mb)
     return 0
