@@ -14,11 +14,11 @@ first); the training order is a fresh permutation each epoch, as for SFT.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
+from megalm.data.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
 
 # task -> (text column, pair column or None, label column, label names or None for a regression; None header = CoLA)
@@ -86,21 +86,13 @@ def read_examples(paths: Sequence[str], task: str, labels: Sequence[str], num_la
 
 def _read_jsonl(path: Path, names, num_labels: int) -> List[Example]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{n}"
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str) or "label" not in rec:
-                raise DataError(f"{where}: needs 'text' (a string) and 'label' (and may have 'text_pair')")
-            pair = rec.get("text_pair")
-            if pair is not None and not isinstance(pair, str):
-                raise DataError(f"{where}: 'text_pair' must be a string")
-            out.append(Example(rec["text"], pair, _label(rec["label"], names, num_labels, where)))
+    for where, rec in json_lines(path):
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str) or "label" not in rec:
+            raise DataError(f"{where}: needs 'text' (a string) and 'label' (and may have 'text_pair')")
+        pair = rec.get("text_pair")
+        if pair is not None and not isinstance(pair, str):
+            raise DataError(f"{where}: 'text_pair' must be a string")
+        out.append(Example(rec["text"], pair, _label(rec["label"], names, num_labels, where)))
     return out
 
 

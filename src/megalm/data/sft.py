@@ -23,6 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from megalm.data.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
@@ -95,16 +96,8 @@ def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
         path = Path(p).expanduser()
         if not path.is_file():
             raise DataError(f"data.paths: {path} does not exist")
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{n}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{where}: not JSON ({e.msg})") from None
-                examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
+        for where, record in json_lines(path):
+            examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
     if not examples:
         raise DataError(f"data.paths {list(paths)} hold no examples")
     return examples

@@ -81,11 +81,11 @@ def run_checks(programs: Sequence[str], *, timeout_s: float, workers: Optional[i
 
 def read_problems(path: Path) -> List[Dict[str, Any]]:
     problems = []
-    for n, rec in read_jsonl(path, ["task_id", "prompt", "test", "entry_point"]):
+    for where, rec in read_jsonl(path, ["task_id", "prompt", "test", "entry_point"]):
         bad = [k for k in ("task_id", "prompt", "test", "entry_point") if not isinstance(rec[k], str) or not rec[k]]
         if bad:
-            raise DataError(f"{path}:{n}: {', '.join(bad)} must be non-empty strings")
-        problems.append({**rec, "line": n})
+            raise DataError(f"{where}: {', '.join(bad)} must be non-empty strings")
+        problems.append({**rec, "where": where})
     return problems
 
 
@@ -100,7 +100,7 @@ def code(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, samp
     problems = read_problems(path)
     completions = [[complete(model, tokenizer, p["prompt"], max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP,
                              seq_length=seq_length, vocab_size=vocab_size, temperature=temperature, top_p=top_p,
-                             seed=seed + j, where=f"{path}:{p['line']} ({p['task_id']})")
+                             seed=seed + j, where=f"{p['where']} ({p['task_id']})")
                     for j in range(samples)] for p in problems]
     outcomes = run_checks([code_program(p, c) for p, cs in zip(problems, completions) for c in cs], timeout_s=timeout_s)
     correct = [sum(o.passed for o in outcomes[i * samples:(i + 1) * samples]) for i in range(len(problems))]
@@ -123,12 +123,12 @@ def generate(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, 
         raise ConfigError("the generate task scores BLEU and chrF with sacrebleu: pip install "
                           "'megalm[translation]'") from None
     hyps, refs = [], []
-    for n, rec in read_jsonl(path, ["prompt", "reference"]):
+    for where, rec in read_jsonl(path, ["prompt", "reference"]):
         ref = rec["reference"] if isinstance(rec["reference"], list) else [rec["reference"]]
         if not isinstance(rec["prompt"], str) or not ref or not all(isinstance(r, str) for r in ref):
-            raise DataError(f"{path}:{n}: 'prompt' must be a string and 'reference' a string or a list of strings")
+            raise DataError(f"{where}: 'prompt' must be a string and 'reference' a string or a list of strings")
         hyps.append(complete(model, tokenizer, rec["prompt"], max_new_tokens=max_new_tokens, stop=stop,
-                             seq_length=seq_length, vocab_size=vocab_size, where=f"{path}:{n}").strip())
+                             seq_length=seq_length, vocab_size=vocab_size, where=where).strip())
         refs.append(ref)
     width = max(map(len, refs))
     if any(len(r) != width for r in refs):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
+from megalm.data.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
 
 NORMALIZE = ("none", "tokens", "chars")
@@ -80,22 +79,14 @@ def perplexity(scorer: Scorer, tokenizer, text: str, stride: int) -> Dict[str, A
             "adjusted_ppl": math.exp(min(MAX_LOSS_FOR_PPL, nll / words)), "token_ratio": count / words}
 
 
-def read_jsonl(path: Path, fields: Sequence[str]) -> List[Tuple[int, Dict[str, Any]]]:
-    """(line number, record) of each non-blank JSON line, each with `fields`; errors name file:line."""
+def read_jsonl(path: Path, fields: Sequence[str]) -> List[Tuple[str, Dict[str, Any]]]:
+    """("file:line", record) of each non-blank JSON line, each with `fields`; errors name file:line."""
     records = []
-    with (gzip.open(path, "rt", encoding="utf-8") if str(path).endswith(".gz") else open(path, encoding="utf-8")) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e.msg})") from None
-            missing = [k for k in fields if not isinstance(rec, dict) or k not in rec]
-            if missing:
-                raise DataError(f"{path}:{n}: no {', '.join(repr(k) for k in missing)} field (needs "
-                                f"{', '.join(fields)})")
-            records.append((n, rec))
+    for where, rec in json_lines(path):
+        missing = [k for k in fields if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise DataError(f"{where}: no {', '.join(repr(k) for k in missing)} field (needs {', '.join(fields)})")
+        records.append((where, rec))
     if not records:
         raise DataError(f"{path} holds no examples")
     return records
@@ -111,10 +102,10 @@ def fits(ids: List[int], seq_length: int, where: str) -> List[int]:
 def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> List[Tuple[List[int], int]]:
     """One scoring row per LAMBADA line: [eod] + context + target, and where the target starts."""
     rows = []
-    for n, rec in read_jsonl(path, ["text"]):
+    for where, rec in read_jsonl(path, ["text"]):
         text = rec["text"]
         if not isinstance(text, str) or not text.split():
-            raise DataError(f"{path}:{n}: 'text' must be a string with at least one word")
+            raise DataError(f"{where}: 'text' must be a string with at least one word")
         if strict:  # Megatron's: the context before the last word, then " " + the word
             last = text.split()[-1]
             context = tokenizer.encode(text[:text.rfind(last)].strip())
@@ -122,7 +113,7 @@ def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> L
         else:
             tokens = tokenizer.encode(text)
             context, target = tokens[:-1], tokens[-1:]
-        rows.append((fits([tokenizer.eod] + context + target, seq_length, f"{path}:{n}"), 1 + len(context)))
+        rows.append((fits([tokenizer.eod] + context + target, seq_length, where), 1 + len(context)))
     return rows
 
 
@@ -138,19 +129,19 @@ def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tupl
     """Scoring rows of every choice of every line ([eod] + context + choice), and each line's
     (choices, label); its rows are consecutive."""
     rows, examples = [], []
-    for n, rec in read_jsonl(path, ["context", "choices", "label"]):
+    for where, rec in read_jsonl(path, ["context", "choices", "label"]):
         options, label = rec["choices"], rec["label"]
         if not isinstance(options, list) or len(options) < 2 or not all(isinstance(c, str) and c for c in options):
-            raise DataError(f"{path}:{n}: 'choices' must be a list of at least two non-empty strings")
+            raise DataError(f"{where}: 'choices' must be a list of at least two non-empty strings")
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(options):
-            raise DataError(f"{path}:{n}: 'label' {label!r} is not an index into its {len(options)} choices "
+            raise DataError(f"{where}: 'label' {label!r} is not an index into its {len(options)} choices "
                             f"(0..{len(options) - 1})")
         context = [tokenizer.eod] + tokenizer.encode(str(rec["context"]))
         for c in options:
             target = tokenizer.encode(c)
             if not target:
-                raise DataError(f"{path}:{n}: the choice {c!r} has no tokens")
-            rows.append((fits(context + target, seq_length, f"{path}:{n}"), len(context)))
+                raise DataError(f"{where}: the choice {c!r} has no tokens")
+            rows.append((fits(context + target, seq_length, where), len(context)))
         examples.append((options, label))
     return rows, examples
 
