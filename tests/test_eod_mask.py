@@ -83,7 +83,7 @@ def test_masked_model_loss_is_the_mean_over_the_kept_positions(tiny_model_cfg):
     y = BATCH[:, 1:].masked_fill(eod_loss_mask(BATCH, EOD) == 0, IGNORE)
     with torch.no_grad():
         logits = model(x)[..., :cfg.vocab_size]
-        loss = model(x, y)
+        loss = model(x, labels=y)
     want = _hand_loss(logits, BATCH, EOD)
     torch.testing.assert_close(loss.double(), want, rtol=1e-6, atol=0)
     # The test can tell the positions apart: masking by the label instead (one position late)

@@ -162,3 +162,74 @@ def test_sft_at_a_layout_matches_the_single_process(sft_runs, index):
     assert len(single) == len(layout) == STEPS
     np.testing.assert_allclose(layout, single, rtol=1e-5)
     assert single[-1] < single[0]  # it learns
+
+
+# ---------------------------------------------------------------- packing
+
+def test_pack_examples_keeps_examples_whole_and_in_order():
+    from megalm.data.sft import pack_examples
+    examples = []
+    for n in (5, 4, 9, 3, 3, 10):
+        learned = np.zeros(11, bool)
+        learned[n - 2:n] = True  # the answer and the final eod; then padding
+        examples.append((np.arange(100 * n, 100 * n + 11), learned))
+    rows = pack_examples(examples, 10, pad=7)
+    assert [r[3].max() for r in rows] == [2, 1, 2, 1]  # 5+4 (+9 > 11) | 9 (+3 > 11) | 3+3 (+10 > 11) | 10
+    ids, learned, positions, segments = rows[0]
+    assert ids.tolist() == list(range(500, 505)) + list(range(400, 404)) + [7, 7]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0] and segments.tolist() == [1] * 5 + [2] * 4 + [0, 0]
+    assert learned.tolist() == [False] * 3 + [True] * 2 + [False] * 2 + [True] * 2 + [False] * 2
+
+
+@pytest.mark.parametrize("style", ["gpt2", "llama"])
+def test_packed_examples_score_as_if_alone(style, run):
+    """Every learned token of packed examples gets the log-probability it gets in its example alone:
+    positions restart and attention stays inside each example (learned positions and RoPE, GQA)."""
+    from megalm.data.sft import SFTDataset, encode_example, example_pieces, pack_examples
+    from megalm.models import build_model, init_weights
+    _, _, tok = run
+    extra = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
+             "model.num_query_groups=2", "model.tie_embeddings=false"] if style == "llama" else []
+    cfg = load("model=gpt_tiny", "model.vocab_size=1024", "data=mock", *extra).model
+    model = build_model(cfg).double().eval()
+    init_weights(model, cfg, 5)
+    examples = [encode_example(example_pieces(e, "{role}: {content}\n", "x"), tok, 32, "x") for e in _examples()[:12]]
+    rows = pack_examples(examples, 32, tok.eod)
+    assert len(rows) < len(examples) and max(int(r[3].max()) for r in rows) >= 2
+
+    def token_logprobs(dataset):
+        out = []
+        with torch.no_grad():
+            for i in range(len(dataset)):
+                s = {k: torch.from_numpy(np.asarray(v))[None] for k, v in dataset[i].items()}
+                packed = (s["position_ids"], s["segment_ids"]) if "segment_ids" in s else ()
+                logp = torch.log_softmax(model(s["tokens"], *packed)[..., :cfg.vocab_size], dim=-1)
+                keep = s["loss_mask"][0] > 0
+                out += logp[0][keep].gather(-1, s["labels"][0][keep][:, None])[:, 0].tolist()
+        return out
+
+    alone = token_logprobs(SFTDataset(examples, "train", 0, len(examples)))
+    together = token_logprobs(SFTDataset(rows, "train", 0, len(rows)))
+    assert len(alone) == len(together) > 20
+    np.testing.assert_allclose(sorted(together), sorted(alone), rtol=1e-9)  # the same tokens, in another order
+
+
+@pytest.fixture(scope="module")
+def packed_runs(run, sft_file, tmp_path_factory):
+    from megalm.train import run as train_run
+    run_dir, _, _ = run
+    root = tmp_path_factory.mktemp("sft_packed")
+    base = [*_base(run_dir, sft_file), "data.packing=true"]
+    train_run(load(*base), root / "single", 1)
+    jobs = [([*base, *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
+    run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
+    return root
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)))
+def test_packed_sft_at_a_layout_matches_the_single_process(packed_runs, sft_runs, index):
+    single, layout = _losses(packed_runs / "single"), _losses(packed_runs / f"layout{index}")
+    assert len(single) == len(layout) == STEPS
+    np.testing.assert_allclose(layout, single, rtol=1e-5)
+    unpacked = _losses(sft_runs[0] / "single")
+    assert single != unpacked  # a packed batch holds more examples

@@ -227,6 +227,8 @@ class DataConfig:
     """classification: the files' layout: jsonl ({text, text_pair?, label}) | mnli | qqp | sst2 | cola | stsb (GLUE's TSV)."""
     labels: List[str] = field(default_factory=list)
     """classification, task=jsonl: the class names in label order (empty: integer labels, or a regression)."""
+    packing: bool = False
+    """sft: pack whole examples into each sequence, positions and attention reset per example (false: one, padded)."""
     chat_template: str = "{role}: {content}\n"
     """sft: how each chat message is written; the loss is on assistant messages' {content} and what follows it."""
     check_vocab: bool = True

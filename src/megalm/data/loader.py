@@ -27,7 +27,7 @@ from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, g
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.sentences import split_sentences
-from megalm.data.sft import SFTDataset, read_examples
+from megalm.data.sft import SFTDataset, pack_examples, read_examples
 from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from megalm.errors import DataError
@@ -203,7 +203,12 @@ def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
     """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py)."""
     examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template)
     parts = split_documents(len(examples), cfg.split)
-    sets = [SFTDataset([examples[j] for j in part], name, seed, requested[name]) if len(part) or name != "test"
+
+    def rows(part: range):
+        chosen = [examples[j] for j in part]
+        return pack_examples(chosen, seq_length, tokenizer.eod) if cfg.packing else chosen
+
+    sets = [SFTDataset(rows(part), name, seed, requested[name]) if len(part) or name != "test"
             else None for name, part in zip(_SPLITS, parts)]
     log.info("sft: %d examples from %d file(s); %s", len(examples), len(cfg.paths),
              ", ".join(f"{n} {len(p)} examples" for n, p in zip(_SPLITS, parts)))

@@ -8,7 +8,9 @@ An example becomes one sample of seq_length + 1 tokens, as training sees a docum
   [eod] m1 m2 ... [eod]                   each message rendered by data.chat_template, split at
                                           {content}: the loss is on the content and the rest of the
                                           template of every assistant message, and the final eod
-then padded (with eod, no loss). Pieces are tokenized one by one, so the boundary between what
+then padded (with eod, no loss); with data.packing, whole examples are packed in file order into
+each sequence instead, positions restarting and attention kept inside each example, so every
+token is predicted from exactly what it would see alone. Pieces are tokenized one by one, so the boundary between what
 is learned and what is given is exact. An example that does not fit is an error naming its file
 and line: nothing is cut silently. data.split divides the examples in file order; the training
 order is a fresh permutation of the split's examples each epoch (numpy RandomState(seed + epoch)),
@@ -103,6 +105,39 @@ def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
     return examples
 
 
+def pack_examples(examples: Sequence[Tuple[np.ndarray, np.ndarray]], seq_length: int,
+                  pad: int) -> List[Tuple[np.ndarray, ...]]:
+    """Whole examples (as encode_example pads them) packed in order into sequences of
+    seq_length + 1 tokens, each starting a new one when the next does not fit: (ids, learned,
+    positions (restarting at 0 in each example), segments (1, 2, ... per example; 0 = padding))."""
+    rows: List[Tuple[np.ndarray, ...]] = []
+    parts: List[Tuple[np.ndarray, np.ndarray]] = []
+
+    def flush() -> None:
+        if not parts:
+            return
+        lengths = [len(ids) for ids, _ in parts]
+        n, room = sum(lengths), seq_length + 1 - sum(lengths)
+        ids = np.concatenate([ids for ids, _ in parts] + [np.full(room, pad, np.int64)])
+        learned = np.concatenate([lrn for _, lrn in parts] + [np.zeros(room, bool)])
+        positions = np.concatenate([np.arange(k) for k in lengths] + [np.zeros(room, np.int64)]).astype(np.int64)
+        segments = np.concatenate([np.full(k, s + 1) for s, k in enumerate(lengths)] + [np.zeros(room, np.int64)])
+        rows.append((ids, learned, positions, segments.astype(np.int64)))
+        parts.clear()
+        assert n <= seq_length + 1
+
+    used = 0
+    for ids, learned in examples:
+        n = int(np.flatnonzero(learned)[-1]) + 1  # the final eod is the last token learned
+        if used + n > seq_length + 1:
+            flush()
+            used = 0
+        parts.append((ids[:n], learned[:n]))
+        used += n
+    flush()
+    return rows
+
+
 class EpochShuffle:
     """Sample index i -> the example at position i % n of epoch i // n's permutation, drawn by
     numpy RandomState(seed + epoch): a fresh order each epoch, the same at every layout."""
@@ -120,7 +155,7 @@ class EpochShuffle:
 
 class SFTDataset:
     """Samples of one split: dicts of tokens, labels (IGNORE where nothing is learned) and
-    loss_mask, each (seq_length,)."""
+    loss_mask, each (seq_length,); from packed sequences also position_ids and segment_ids."""
 
     def __init__(self, examples: Sequence[Tuple[np.ndarray, np.ndarray]], name: str, seed: int,
                  num_samples: Optional[int]):
@@ -139,6 +174,9 @@ class SFTDataset:
         from megalm.models.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
-        ids, learned = self.examples[self.order(i)]
+        ids, learned, *packed = self.examples[self.order(i)]
         labels = np.where(learned[1:], ids[1:], IGNORE)
-        return {"tokens": ids[:-1], "labels": labels, "loss_mask": learned[1:].astype(np.float32)}
+        sample = {"tokens": ids[:-1], "labels": labels, "loss_mask": learned[1:].astype(np.float32)}
+        if packed:
+            sample.update(position_ids=packed[0][:-1], segment_ids=packed[1][:-1])
+        return sample

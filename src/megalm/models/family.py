@@ -73,6 +73,9 @@ class Family:
     inputs: Tuple[str, ...] = ("tokens",)
     """The batch keys the model's forward takes, positionally and in this order (a pipeline's first
     stage gets them); the model's `loss(output, batch)` reads the batch's other keys."""
+    optional_inputs: Tuple[str, ...] = ()
+    """Batch keys the forward takes after `inputs` when a batch has them (GPT: position_ids and
+    segment_ids of packed examples); all or none of them."""
     parts: Parts = Parts()
     """Its pipeline stages, ZeRO-3 units and recompute units."""
     samples: Optional[Callable[..., Any]] = None

@@ -68,22 +68,28 @@ class GPT(nn.Module):
             self._rope = {key: rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device)}
         return self._rope[key]
 
-    def forward(self, tokens: torch.Tensor, labels: Optional[torch.Tensor] = None,
+    def forward(self, tokens: torch.Tensor, *packed: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                start: int = 0, part: Optional[Part] = None) -> torch.Tensor:
+                start: int = 0, part: Optional[Part] = None):
         """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss.
 
+        `packed` = (position_ids, segment_ids), each (B, T), for sequences of several packed
+        examples: positions restart and attention stays inside each example (segment), as
+        Megatron's --reset-position-ids and --reset-attention-mask do.
         With `part` (a pipeline stage) only its layers run: a stage after the first takes the
-        hidden states (B, T, h) in place of tokens, and one before the last returns them.
+        hidden states (B, T, h) in place of tokens (and `packed` after them), and one before the
+        last returns them (with `packed`).
         """
         first, last = part is None or part.first, part is None or part.last
-        x = self.embed(tokens, start) if first else tokens  # (B, T, h), or this rank's sequence shard under SP
+        positions, segments = packed if packed else (None, None)
+        x = self.embed(tokens, start, positions) if first else tokens  # (B, T, h), or a sequence shard under SP
         rope = self.rope(max(self.cfg.seq_length, start + (tokens.shape[1] if first else 0)), x.device)
+        mask = packed_attention_mask(segments) if segments is not None else None
         blocks = self.blocks.values() if part is None else [self.blocks[str(i)] for i in part.layers]
         for block in blocks:
-            x = block(x, rope, cache, start)
+            x = block(x, rope, cache, start, mask, positions) if packed else block(x, rope, cache, start)
         if not last:
-            return x
+            return (x, *packed) if packed else x
         logits = self.head(self.norm(x))  # (B, T, V), or this rank's vocabulary shard under TP
         if labels is None:
             return logits
@@ -92,6 +98,13 @@ class GPT(nn.Module):
     def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The training loss of the last stage's output on a batch (megalm.data.gpt_batch's keys)."""
         return self.criterion(logits, batch["labels"], batch.get("loss_mask"))
+
+
+def packed_attention_mask(segments: torch.Tensor) -> torch.Tensor:
+    """(B, T) example ids → (B, 1, T, T) bool: query t sees keys s <= t of its own example."""
+    T = segments.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
+    return (segments[:, :, None] == segments[:, None, :])[:, None] & causal
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
@@ -145,4 +158,5 @@ def validate(cfg, world_size: int) -> None:
 FAMILY = Family(
     name="gpt", config=GPTConfig, build=GPT, init_weights=init_weights, validate=validate, flops_per_token=flops_per_token, tp_plan=tp_plan,
     parts=Parts(layers="blocks", first=("embed",), last=("norm", "head", "criterion"), selective=("attn.core",)),
-    hf="megalm.models.gpt_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))
+    hf="megalm.models.gpt_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),),
+    optional_inputs=("position_ids", "segment_ids"))

@@ -31,9 +31,10 @@ def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> Tuple
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (i, i + d/2) of x (B, nh, T, hd) by the angles of its positions (T, hd/2)."""
+    """Rotate channel pairs (i, i + d/2) of x (B, nh, T, hd) by the angles of its positions: (T, hd/2),
+    or (B, T, hd/2) when each row has positions of its own (packed examples)."""
     x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[None, None], sin[None, None]
+    cos, sin = (cos[:, None], sin[:, None]) if cos.dim() == 3 else (cos[None, None], sin[None, None])
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
 
 
@@ -70,8 +71,11 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                cache: Optional[KVCache] = None, start: int = 0, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """`mask`: (B, 1, 1, T) bool, the keys each query may attend to (bidirectional attention)."""
+                cache: Optional[KVCache] = None, start: int = 0, mask: Optional[torch.Tensor] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`mask`: (B, 1, 1, T) bool, the keys each query may attend to (bidirectional attention), or
+        (B, 1, T, T) with the causal mask in it (packed examples). `positions`: (B, T) each token's
+        position for RoPE (packed examples restart at 0); None: start, start + 1, ..."""
         qkv = self.qkv(x)  # (B, T, (nh + 2 nkv) hd); T is the full sequence even when x is a shard
         B, T, width = qkv.shape
         # Head counts come from the width, so a tensor-parallel shard of qkv works unchanged.
@@ -81,7 +85,10 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
+        if rope is not None and positions is not None:
+            cos, sin = rope[0][positions], rope[1][positions]  # (B, T, hd/2)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        elif rope is not None:
             cos, sin = rope[0][start:start + T], rope[1][start:start + T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -109,7 +116,7 @@ class AttentionCore(nn.Module):
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if not self.causal:
+        if not self.causal or mask is not None:  # a key mask, or a causal one per packed example
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=self.attention_dropout if self.training else 0.0)
         if T > 1 and S != T:
@@ -151,9 +158,12 @@ class Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.seq_length, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`positions`: (B, T) each token's position (packed examples restart at 0); None: from `start` on."""
         x = self.tok(tokens)  # (B, T, h)
-        if self.pos is not None:
+        if self.pos is not None and positions is not None:
+            x = x + self.pos(positions)
+        elif self.pos is not None:
             T = tokens.shape[1]
             if start + T > self.pos.num_embeddings:
                 raise ValueError(f"position {start + T} exceeds model.seq_length={self.pos.num_embeddings}")
@@ -171,8 +181,8 @@ class Block(nn.Module):
         self.norm2 = build_norm(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope=None, cache=None, start=0):
-        x = x + self.attn(self.norm1(x), rope, cache, start)
+    def forward(self, x, rope=None, cache=None, start=0, mask=None, positions=None):
+        x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions)
         return x + self.mlp(self.norm2(x))
 
 

@@ -78,6 +78,10 @@ class Pipeline:
     loss_scale: float = 1.0  # fp16: the trainer's current loss scale
     metrics_fn: Optional[object] = None  # the model's loss_and_metrics(output, batch), when it reports any
     num_metrics: int = 0
+    optional: Tuple[str, ...] = ()  # batch keys the first stage also takes when the batch has them
+
+    def _keys(self, batch: Dict[str, torch.Tensor]) -> Tuple[str, ...]:
+        return self.inputs + tuple(k for k in self.optional if k in batch)
     last_metrics: Optional[torch.Tensor] = None
     """The mean of the model's metrics over the last step's micro-batches, on every pp rank."""
     _batch: Optional[Dict[str, torch.Tensor]] = None  # the batch of the step in flight
@@ -108,7 +112,7 @@ class Pipeline:
                 return self._forward_only(batch)
             losses: List[torch.Tensor] = []
             index = torch.arange(len(batch[self.inputs[0]]), device=batch[self.inputs[0]].device)
-            self.schedule.step(*(tuple(batch[k] for k in self.inputs) if self.has_first else ()),
+            self.schedule.step(*(tuple(batch[k] for k in self._keys(batch)) if self.has_first else ()),
                                target=index if self.has_last else None,
                                losses=losses if self.has_last else None, return_outputs=False)
             # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
@@ -130,7 +134,7 @@ class Pipeline:
             x = None
             for s in sorted(views):  # this rank's stages in pipeline order
                 if s == 0:
-                    x = tuple(batch[k][index] for k in self.inputs)
+                    x = tuple(batch[k][index] for k in self._keys(batch))
                 elif self.owner[s - 1] != self.rank:
                     x = _recv(self.owner[s - 1], self.group)
                 # else: x is the output of this rank's own stage s - 1 (ZBV's turn of the V)
@@ -204,6 +208,7 @@ def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_micro
              for s in range(num_stages)]
     pipeline = Pipeline(None, stages, has_first=0 in stage_ids, has_last=num_stages - 1 in stage_ids,
                         last_rank=owner[-1], group=group, loss_fn=model.loss, inputs=family.inputs,
+                        optional=family.optional_inputs,
                         n_microbatches=n_microbatches, num_stages=num_stages, owner=owner, rank=dist.get_rank())
     names = getattr(model, "metric_names", ())
     if names:

@@ -44,7 +44,9 @@ class Trainer:
         self.pp_group = mesh["pp"].get_group() if mesh is not None and mesh["pp"].size() > 1 else None
         self.data_parallel = data_parallel
         from megalm.models import family_of
-        self.inputs = family_of(model.cfg.arch).inputs  # the batch keys the model's forward takes
+        family = family_of(model.cfg.arch)
+        self.inputs = family.inputs  # the batch keys the model's forward takes
+        self.optional_inputs = family.optional_inputs  # and those it takes when a batch has them
         self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.loss_and_metrics reports
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
@@ -106,7 +108,7 @@ class Trainer:
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The model's loss on a batch, and its metrics (None when it reports none)."""
-        output = self.model(*(batch[k] for k in self.inputs))
+        output = self.model(*(batch[k] for k in self.inputs + tuple(k for k in self.optional_inputs if k in batch)))
         if self.metric_names:
             return self.model.loss_and_metrics(output, batch)
         return self.model.loss(output, batch), None
