@@ -37,10 +37,13 @@ PROG = "megalm.evaluate.harness"
 
 @register_model("megalm")
 class MegalmLM(LM):
-    """A megalm run directory's latest checkpoint, in this process."""
+    """A megalm run directory's latest checkpoint, in this process. The harness also hands over
+    `max_batch_size`, which a fixed batch size does not need."""
 
-    def __init__(self, run_dir: str, device: str = "cpu", batch_size: int = 8, **_: Any) -> None:
+    def __init__(self, run_dir: str, device: str = "cpu", batch_size: Any = 8, max_batch_size: Any = None) -> None:
         super().__init__()
+        if not str(batch_size).isdigit() or int(batch_size) < 1:
+            raise ConfigError(f"batch_size={batch_size!r}: megalm takes a whole number of sequences per forward (>= 1)")
         from megalm.generate import load_for_generation
         self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
         if self.cfg.model.arch != "gpt":
