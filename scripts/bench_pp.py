@@ -177,7 +177,7 @@ def single_step(model, opt, batch, m, clip):
     from megalm.parallel.grads import clip_grads
     t0 = time.perf_counter()
     for mb in batch.chunk(m):
-        (model(mb[:, :-1], mb[:, 1:]) / m).backward()
+        (model(mb[:, :-1], labels=mb[:, 1:]) / m).backward()
     clip_grads(list(model.parameters()), clip)
     opt.step()
     opt.zero_grad(set_to_none=True)

@@ -39,7 +39,7 @@ def train_steps(model, layout, opt, batch, steps, mesh=None):
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     t0 = time.perf_counter()
     for _ in range(steps):
-        model(batch[:, :-1], batch[:, 1:]).backward()
+        model(batch[:, :-1], labels=batch[:, 1:]).backward()
         finalize_grads(model, mesh, layout)
         clip_grads(list(model.parameters()), 1.0, tp_group)
         opt.step()

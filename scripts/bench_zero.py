@@ -61,7 +61,7 @@ def train(cfg, model, dp, opt, batches, steps: int, precision: str = "fp32") -> 
     for _ in range(steps):
         for x in batches:
             with autocast(precision, "cpu"):
-                loss = model(x[:, :-1], x[:, 1:]) / len(batches)
+                loss = model(x[:, :-1], labels=x[:, 1:]) / len(batches)
             loss.backward()
         if dp is not None:
             dp.finish()
@@ -108,7 +108,7 @@ def dp_worker(rank: int, world: int, store: str, args, queue) -> None:
         for h in hooks:
             h.remove()
         for x in batches:  # state as the optimizer step sees it: gradients reduced, moments allocated
-            model(x[:, :-1], x[:, 1:]).backward()
+            model(x[:, :-1], labels=x[:, 1:]).backward()
         dp.finish()
         got = measured_model_state_bytes(model, opt, dp)
         opt.zero_grad()

@@ -255,7 +255,7 @@ def test_async_save_keeps_the_state_of_its_step_while_training_changes_it(tmp_pa
     model = build_model(cfg)
     init_weights(model, cfg, seed=0)
     optimizer = torch.optim.AdamW(model.parameters())
-    model(torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 16, dtype=torch.long)).backward()
+    model(torch.zeros(1, 16, dtype=torch.long), labels=torch.zeros(1, 16, dtype=torch.long)).backward()
     optimizer.step()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     saver = Checkpointer(CheckpointConfig(async_save=True), tmp_path)

@@ -27,7 +27,7 @@ def test_measured_model_state_matches_the_formula(tiny_model_cfg, tie):
     init_weights(model, cfg, 0)
     opt = build_optimizer(OptimizerConfig(), model)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1))
-    model(x[:, :-1], x[:, 1:]).backward()
+    model(x[:, :-1], labels=x[:, 1:]).backward()
     opt.step()
     got = measured_model_state_bytes(model, opt)
     n = got["params"]

@@ -44,7 +44,7 @@ def test_loss_at_init_near_log_vocab(tiny_model_cfg):
     m = make(cfg)
     x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
     labels = torch.randint(0, cfg.vocab_size, (4, cfg.seq_length))
-    loss = m(x, labels).item()
+    loss = m(x, labels=labels).item()
     # Small init → near-uniform logits over the padded vocabulary.
     assert abs(loss - math.log(cfg.padded_vocab_size)) < 0.1
 

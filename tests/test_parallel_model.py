@@ -157,7 +157,7 @@ def _comm_volume(rank, world, sequence_parallel):
     init_weights(model, cfg.model, 0)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
     with count_comm() as fwd:
-        loss = model(x[:, :-1], x[:, 1:])
+        loss = model(x[:, :-1], labels=x[:, 1:])
     with count_comm() as bwd:
         loss.backward()
         finalize_grads(model, mesh, layout)

@@ -27,7 +27,7 @@ def _grads_and_saved_bytes(model_cfg, recompute, num_layers=None):
 
     torch.manual_seed(7)  # the same dropout masks in every variant
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(x[:, :-1], x[:, 1:])
+        loss = model(x[:, :-1], labels=x[:, 1:])
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()}, sum(saved)
 

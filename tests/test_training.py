@@ -81,7 +81,7 @@ def test_gradient_accumulation_matches_one_big_batch(tiny_model_cfg):
         init_weights(model, tiny_model_cfg, 0)
         n = 8 // micro
         for mb in batch.split(micro):
-            (model(mb[:, :-1], mb[:, 1:]) / n).backward()
+            (model(mb[:, :-1], labels=mb[:, 1:]) / n).backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 

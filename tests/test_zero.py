@@ -44,7 +44,7 @@ def _comm_timeline(rank, world, zero_stage):
         seen = []
         for x in batches:
             with count_comm() as stats:
-                (model(x[:, :-1], x[:, 1:]) / len(batches)).backward()
+                (model(x[:, :-1], labels=x[:, 1:]) / len(batches)).backward()
             seen.append(dict(stats.bytes))
         with count_comm() as fin:
             dp.finish()
@@ -69,7 +69,7 @@ def _zero3_timeline(rank, world):
         seen = []
         for x in batches:
             with count_comm() as fwd:
-                loss = model(x[:, :-1], x[:, 1:]) / len(batches)
+                loss = model(x[:, :-1], labels=x[:, 1:]) / len(batches)
             with count_comm() as bwd:
                 loss.backward()
             seen.append((dict(fwd.bytes), dict(bwd.bytes)))
@@ -146,7 +146,7 @@ def _state_bytes(rank, world, zero_stage):
     from megalm.training.memory import measured_model_state_bytes
     cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02)
     for x in batches:
-        model(x[:, :-1], x[:, 1:]).backward()
+        model(x[:, :-1], labels=x[:, 1:]).backward()
     dp.finish()
     opt.step()
     return measured_model_state_bytes(model, opt, dp), sum(b.size - sum(p.numel() for p in b.params)

@@ -80,6 +80,9 @@ class GPT(nn.Module):
         hidden states (B, T, h) in place of tokens (and `packed` after them), and one before the
         last returns them (with `packed`).
         """
+        if packed and len(packed) != 2:
+            raise TypeError(f"GPT.forward got {len(packed) + 1} positional inputs: after tokens it takes "
+                            "(position_ids, segment_ids) of packed examples; pass labels and loss_mask by keyword")
         first, last = part is None or part.first, part is None or part.last
         positions, segments = packed if packed else (None, None)
         x = self.embed(tokens, start, positions) if first else tokens  # (B, T, h), or a sequence shard under SP
