@@ -120,7 +120,13 @@ def test_code_task_on_a_trained_run(run, tmp_path):
     correct = [sum(r["status"] == PASSED for r in rows[i * 3:(i + 1) * 3]) for i in range(2)]
     for k in (1, 3):
         assert got[f"pass@{k}"] == pytest.approx(np.mean([pass_at_k(3, c, k) for c in correct]))
-    assert got["problems"] == 2 and got["sandbox"] == network_isolation()
+    assert got["problems"] == 2 and got["skipped_long"] == 0 and got["sandbox"] == network_isolation()
+    long = {**PROBLEMS[0], "task_id": "t/9", "prompt": "x = 1\n" * 40}
+    path = _jsonl(tmp_path / "some_long.jsonl", PROBLEMS + [long])
+    with pytest.raises(DataError, match=r"some_long.jsonl:3 \(t/9\): the prompt is \d+ tokens"):
+        evaluate(run_dir, "code", path, max_new_tokens=8, write=False)
+    kept = evaluate(run_dir, "code", path, max_new_tokens=8, skip_long=True, write=False)
+    assert (kept["problems"], kept["skipped_long"]) == (2, 1)
 
 
 def test_generate_task_scores_with_sacrebleu(run, tmp_path):

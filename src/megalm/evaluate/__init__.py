@@ -44,7 +44,7 @@ __all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", 
 def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, strict: bool = True,
              normalize: str = "none", batch_size: int = 8, device: str = "cpu", samples: int = 1,
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
-             stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0,
+             stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
              write: bool = True) -> Dict[str, Any]:
     """Run one task on the run's latest checkpoint; return (and write) its results."""
     from megalm.evaluate import generation
@@ -85,7 +85,7 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
         metrics = choice(scorer, tok, data, normalize)
     elif task == "code":
         metrics = generation.code(model, tok, data, samples=samples, ks=ks, temperature=temperature, top_p=top_p,
-                                  timeout_s=timeout_s, seed=seed, details=details, **gen)
+                                  timeout_s=timeout_s, seed=seed, details=details, skip_long=skip_long, **gen)
     else:
         metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
     return _finish(run_dir, task, data, cfg, state, metrics, start, write)
@@ -133,6 +133,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--stop", nargs="+", default=["\n"],
                     help="generate: stop strings; \\n and \\t as typed are a newline and a tab (default a newline)")
     ap.add_argument("--timeout", type=float, default=10.0, help="code: seconds each program may run (default 10)")
+    ap.add_argument("--skip-long", action="store_true",
+                    help="code: leave out (and count) problems whose prompt leaves less than --max-new-tokens of "
+                         "the model's context, instead of stopping with an error")
     ap.add_argument("--seed", type=int, default=0, help="code: sampling seed of the first completion (default 0)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
@@ -144,5 +147,5 @@ def main(argv: Optional[List[str]] = None) -> None:
                            samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens,
                            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop],
-                           timeout_s=args.timeout, seed=args.seed)
+                           timeout_s=args.timeout, seed=args.seed, skip_long=args.skip_long)
         print(format_table(results))

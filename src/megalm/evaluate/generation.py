@@ -91,13 +91,20 @@ def read_problems(path: Path) -> List[Dict[str, Any]]:
 
 def code(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, samples: int, ks: Sequence[int],
          temperature: float, top_p: float, max_new_tokens: int, timeout_s: float, seed: int,
-         details: Optional[Path] = None) -> Dict[str, Any]:
+         details: Optional[Path] = None, skip_long: bool = False) -> Dict[str, Any]:
     if samples < 1 or not ks or any(not 1 <= k <= samples for k in ks):
         raise ConfigError(f"--k {list(ks)} must each be in [1, --samples={samples}]")
     if samples > 1 and temperature <= 0:
         raise ConfigError(f"--samples={samples} with --temperature={temperature:g} gives the same completion each "
                           "time; sample with a temperature > 0 (0.8 is usual for pass@10 and above)")
     problems = read_problems(path)
+    skipped = 0
+    if skip_long:  # a small model's context: score the problems that leave room for a whole completion
+        kept = [p for p in problems if 1 + len(tokenizer.encode(p["prompt"])) + max_new_tokens <= seq_length]
+        skipped, problems = len(problems) - len(kept), kept
+        if not problems:
+            raise DataError(f"{path}: no problem leaves room for --max-new-tokens={max_new_tokens} within "
+                            f"model.seq_length={seq_length}")
     completions = [[complete(model, tokenizer, p["prompt"], max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP,
                              seq_length=seq_length, vocab_size=vocab_size, temperature=temperature, top_p=top_p,
                              seed=seed + j, where=f"{p['where']} ({p['task_id']})")
@@ -111,7 +118,8 @@ def code(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, samp
                     o = outcomes[i * samples + j]
                     f.write(json.dumps({"task_id": p["task_id"], "completion": c, "status": o.status,
                                         "detail": o.detail}) + "\n")
-    return {"problems": len(problems), "samples": samples, "temperature": temperature, "sandbox": network_isolation(),
+    return {"problems": len(problems), "skipped_long": skipped, "samples": samples, "temperature": temperature,
+            "sandbox": network_isolation(),
             **{f"pass@{k}": float(np.mean([pass_at_k(samples, c, k) for c in correct])) for k in ks}}
 
 
