@@ -71,7 +71,7 @@ def test_perplexity_equals_transformers_token_by_token(run, tmp_path, stride):
     assert got["ppl"] == pytest.approx(math.exp(nll / (len(ids) - 1)), rel=1e-6)
     words = len(TEXT.strip().split(" "))
     assert got["words"] == words and got["adjusted_ppl"] == pytest.approx(math.exp(nll / words), rel=1e-6)
-    written = json.loads((run_dir / "eval" / "perplexity_text.json").read_text())
+    written = json.loads((run_dir / "eval" / f"perplexity_text_stride{stride}.json").read_text())
     assert written["nll"] == got["nll"] and written["step"] == 30
 
 
@@ -178,7 +178,7 @@ def test_cli_prints_a_table_and_errors_are_one_line(run, tmp_path, capsys):
     (tmp_path / "t.txt").write_text(TEXT)
     main([str(run_dir), "perplexity", "--data", str(tmp_path / "t.txt"), "--stride", "8"])
     out = capsys.readouterr().out
-    assert "adjusted_ppl" in out and "stride" in out and (run_dir / "eval" / "perplexity_t.json").is_file()
+    assert "adjusted_ppl" in out and "stride" in out and (run_dir / "eval" / "perplexity_t_stride8.json").is_file()
     for argv, message in ([[str(run_dir), "perplexity", "--data", str(tmp_path / "t.txt"), "--stride", "99"],
                            r"--stride=99 must be in \[1, model.seq_length=32\]"],
                           [[str(run_dir), "cloze", "--data", str(tmp_path / "none.jsonl")], r"does not exist"]):

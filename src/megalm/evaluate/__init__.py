@@ -19,7 +19,8 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
 - classify: a fine-tuned BERT classifier over a file of its data.task's layout: accuracy, F1,
   Matthews correlation, or Pearson / Spearman for a regression (classify.py).
 
-Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (code and
+Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (perplexity
+adds _stride<N>; code and
 generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
 process at the run's single-process layout (checkpoints load at any layout).
 """
@@ -96,7 +97,8 @@ def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str,
     results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
                "step": state["step"], **metrics, "seconds": round(time.perf_counter() - start, 3)}
     if write:
-        out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}.json"
+        stride = f"_stride{metrics['stride']}" if task == "perplexity" else ""  # one file per window setting
+        out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}{stride}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
         results["written_to"] = str(out)

@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Text generation: pretrain the embedded default, then score it on text it never saw (Python's
+# LICENSE.txt, which sits beside the standard library's sources but is not a .py file) with
+# disjoint and overlapping windows, and sample from it. About 6 minutes on 2 cores.
+set -euo pipefail
+OUT=${OUT:-runs/text_generation}
+LICENSE=$(python -c "import os, sysconfig; print(os.path.join(sysconfig.get_paths()['stdlib'], 'LICENSE.txt'))")
+[ -f "$OUT/pretrain/checkpoints/latest" ] || python -m megalm.train hydra.run.dir="$OUT/pretrain"
+python -m megalm.evaluate "$OUT/pretrain" perplexity --data "$LICENSE"                # disjoint windows of 256
+python -m megalm.evaluate "$OUT/pretrain" perplexity --data "$LICENSE" --stride 64    # each token sees >= 192
+python -m megalm.generate "$OUT/pretrain" --prompt "def fibonacci(n):" --max-new-tokens 80 --temperature 0.8
