@@ -14,3 +14,24 @@ def tiny_model_cfg():
     from megalm.models.gpt import GPTConfig
     return GPTConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                        vocab_size=100, make_vocab_size_divisible_by=8)
+
+
+@pytest.fixture(scope="session")
+def run(tmp_path_factory):
+    """A GPT run trained once for the session (gpt_tiny, GPT-2 layout, 30 steps on the stdlib with its
+    own 1000-piece sentencepiece model): (run directory, transformers model of its exported
+    weights, its tokenizer). The evaluation, harness and SFT tests share it."""
+    import transformers
+    from test_parallel_model import load
+    from megalm.convert import export_to_hf
+    from megalm.data import load_tokenizer
+    from megalm.train import run as train_run
+    root = tmp_path_factory.mktemp("evaluate")
+    cfg = load("model=gpt_tiny", "model.vocab_size=1024", "data.max_corpus_mb=1", "data.split='90,10,0'",
+               "data.tokenizer.vocab_size=1000",
+               f"data.cache_dir={root / 'cache'}", "trainer.max_steps=30", "trainer.eval_interval=0",
+               "trainer.eval_steps=1", "trainer.progress_bar=false", "optimizer.lr=3e-3", "cluster.peak_flops=1e12")
+    train_run(cfg, root / "run", 1)
+    hf_dir = export_to_hf(root / "run", root / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval().double()
+    return root / "run", hf, load_tokenizer(root / "run")

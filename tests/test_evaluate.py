@@ -1,7 +1,7 @@
 """megalm.evaluate against an independent computation: the run exported to Hugging Face and
 scored by transformers, token by token.
 
-A real run (gpt_tiny, GPT-2 layout, trained a few steps on the stdlib corpus with its own
+A real run (conftest's `run`: gpt_tiny, GPT-2 layout, trained a few steps on the stdlib corpus with its own
 sentencepiece model) is evaluated. The reference never uses megalm's windowing or batching:
 perplexity comes from each token's log-probability given exactly the context the rule defines
 (the first window reaching token t starts at k * stride, k = max(0, ceil((t - L) / stride))),
@@ -17,31 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megalm.errors import ConfigError, DataError
+from megalm.errors import DataError
 
 SEQ = 32
 TEXT = ("Return the number of items in a container. The argument may be a sequence (such as a string, "
         "bytes, tuple, list, or range) or a collection (such as a dictionary, set, or frozen set).\n\n"
         "def __init__(self, *args, **kwargs):\n    return len(self.items)\n")
-
-
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    """(run directory, transformers model of its weights, its tokenizer)."""
-    import transformers
-    from test_parallel_model import load
-    from megalm.convert import export_to_hf
-    from megalm.data import load_tokenizer
-    from megalm.train import run as train_run
-    root = tmp_path_factory.mktemp("evaluate")
-    cfg = load("model=gpt_tiny", "model.vocab_size=1024", "data.max_corpus_mb=1", "data.split='90,10,0'",
-               "data.tokenizer.vocab_size=1000",
-               f"data.cache_dir={root / 'cache'}", "trainer.max_steps=30", "trainer.eval_interval=0",
-               "trainer.eval_steps=1", "trainer.progress_bar=false", "optimizer.lr=3e-3", "cluster.peak_flops=1e12")
-    train_run(cfg, root / "run", 1)
-    hf_dir = export_to_hf(root / "run", root / "hf")
-    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval().double()
-    return root / "run", hf, load_tokenizer(root / "run")
 
 
 def _hf_logprobs(hf, context, targets):

@@ -19,7 +19,6 @@ import pytest
 from megalm.errors import ConfigError, DataError
 from megalm.evaluate.generation import code_program, humaneval_path, pass_at_k, read_problems, run_checks
 from megalm.evaluate.sandbox import FAILED, PASSED, TIMEOUT, network_isolation, run_program
-from test_evaluate import run  # noqa: F401  (the trained run fixture)
 
 
 @pytest.mark.parametrize("n, c, k", [(1, 0, 1), (1, 1, 1), (5, 2, 1), (5, 2, 2), (10, 3, 5), (20, 0, 10),

@@ -8,7 +8,7 @@ import json
 import pytest
 from lm_eval.api.instance import Instance
 
-from test_evaluate import CHOICES, TEXT, _hf_logprobs, run  # noqa: F401
+from test_evaluate import CHOICES, TEXT, _hf_logprobs
 
 
 @pytest.fixture(autouse=True)

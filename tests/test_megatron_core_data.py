@@ -9,7 +9,6 @@ which megatron-core splits and samples per sentence for GPT.
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import numpy as np

@@ -16,7 +16,6 @@ import torch
 
 from distributed import run_ranks
 from megalm.errors import ConfigError, DataError
-from test_evaluate import run  # noqa: F401  (the pretrained run fixture: gpt_tiny, its own tokenizer)
 from test_parallel_model import _rank_runs, load
 
 STEPS = 4

@@ -302,7 +302,7 @@ def tokenize_corpus(corpus: Union[StdlibCorpus, StdlibDocstrings], tokenizer: To
         log.info("tokens: tokenizing up to %d documents%s", len(corpus), " into sentences" if split_sentences else "")
         # Saved next to the tokens so the folder is self-contained for source=indexed.
         tokenizer.save_to(entry)
-        num_tokens = num_bytes = 0
+        num_tokens = num_chars = 0
         write = _write_sentences if split_sentences else _write_batch
         with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
             batch: List[str] = []
@@ -312,19 +312,19 @@ def tokenize_corpus(corpus: Union[StdlibCorpus, StdlibDocstrings], tokenizer: To
                 size += len(text)
                 if size >= _ENCODE_BATCH_BYTES:
                     num_tokens += write(writer, tokenizer, batch)
-                    num_bytes, batch, size = num_bytes + size, [], 0
+                    num_chars, batch, size = num_chars + size, [], 0
             num_tokens += write(writer, tokenizer, batch)
-            num_bytes += size
+            num_chars += size
             documents, sequences = writer.num_documents, writer.num_sequences
         seconds = time.perf_counter() - start
         counts = {"sentences": sequences} if split_sentences else {}
         write_provenance(prefix, tokenizer, documents=documents, tokens=num_tokens, **counts)
         (entry / "stats.json").write_text(json.dumps(
-            {"documents": documents, **counts, "characters": num_bytes, "tokens": num_tokens,
+            {"documents": documents, **counts, "characters": num_chars, "tokens": num_tokens,
              "seconds": round(seconds, 2), "tokenizer": tokenizer.identity}, indent=1))
         log.info("tokens: %d documents%s, %d tokens (%.2f characters/token) in %.1f s", documents,
                  f" ({sequences} sentences)" if split_sentences else "", num_tokens,
-                 num_bytes / max(num_tokens, 1), seconds)
+                 num_chars / max(num_tokens, 1), seconds)
     return IndexedDataset(prefix)
 
 

@@ -294,9 +294,9 @@ class Checkpointer:
         if metadata is None:  # once: shapes, rank streams, and the load
             metadata = read_metadata(path).state_dict_metadata
         state = {"model": model_entries(model, data_parallel)}  # views of this rank's own tensors
-        weights_only = optimizer is None  # a fine-tuning start: new heads may be missing, old ones left
-        fresh = check_shapes(path, metadata, state["model"], fresh=getattr(model, "new_heads", ()) if weights_only
-                             else (), ignore_unexpected=weights_only and bool(getattr(model, "new_heads", ())))
+        # A fine-tuning start (weights only) may lack the model's new heads and hold heads it dropped.
+        heads = getattr(model, "new_heads", ()) if optimizer is None else ()
+        fresh = check_shapes(path, metadata, state["model"], fresh=heads, ignore_unexpected=bool(heads))
         for key in fresh:
             state["model"].pop(key, None)
         if optimizer is not None:
