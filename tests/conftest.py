@@ -35,3 +35,17 @@ def run(tmp_path_factory):
     hf_dir = export_to_hf(root / "run", root / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval().double()
     return root / "run", hf, load_tokenizer(root / "run")
+
+
+@pytest.fixture(scope="session")
+def bert_run(tmp_path_factory):
+    """A bert_tiny pretrained once for the session, a few steps on the stdlib's docstrings with its own
+    tokenizer (its run directory): the fine-tuning tests start from it."""
+    from test_parallel_model import load
+    from megalm.train import run as train_run
+    root = tmp_path_factory.mktemp("bert_pretrained")
+    train_run(load("model=bert_tiny", "model.vocab_size=1024", "data=stdlib_prose", "data.max_corpus_mb=1",
+                   "data.tokenizer.vocab_size=1000", f"data.cache_dir={root / 'cache'}", "trainer.max_steps=10",
+                   "trainer.eval_interval=0", "trainer.eval_steps=1", "trainer.progress_bar=false",
+                   "cluster.peak_flops=1e12"), root / "run", 1)
+    return root / "run"

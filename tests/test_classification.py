@@ -1,7 +1,8 @@
-"""BERT fine-tuned as a sequence classifier (data=classification, model.num_labels): GLUE's file
-layouts, Megatron's [CLS] a [SEP] b [SEP] samples, a start from a pretrained BERT run (encoder
-loaded, classifier fresh, pretraining heads left out) and the same losses at tp2+sp, pp2 and dp2
-ZeRO-1 as in one process."""
+"""Fine-tuning heads on labelled examples (data=classification): BERT and GPT classifiers
+(model.num_labels) and multiple choice (model.num_choices). GLUE's and RACE's file layouts,
+Megatron's [CLS] a [SEP] b [SEP] samples and GPT's a <eod> b <eod> read at the last real token, a
+start from a pretrained run (encoder loaded, head fresh, pretraining heads left out) and the same
+losses at tp2+sp, pp2 and dp2 ZeRO-1 as in one process."""
 
 from __future__ import annotations
 
@@ -74,15 +75,8 @@ def test_pair_samples_trim_the_longer_text_first():
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """A bert_tiny pretrained a few steps on the stdlib's docstrings, with its own tokenizer."""
-    from megalm.train import run
-    root = tmp_path_factory.mktemp("bert_pretrained")
-    run(load("model=bert_tiny", "model.vocab_size=1024", "data=stdlib_prose", "data.max_corpus_mb=1",
-             "data.tokenizer.vocab_size=1000", f"data.cache_dir={root / 'cache'}", "trainer.max_steps=10",
-             "trainer.eval_interval=0", "trainer.eval_steps=1", "trainer.progress_bar=false",
-             "cluster.peak_flops=1e12"), root / "run", 1)
-    return root / "run"
+def pretrained(bert_run):
+    return bert_run
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +104,48 @@ def _base(run_dir, sentiment):
             "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "cluster.peak_flops=1e12"]
 
 
-LAYOUTS = [["parallel=tp2", "parallel.sequence_parallel=true"], ["parallel=pp2", "parallel.pipeline_schedule=1f1b"],
-           ["parallel=dp2", "parallel.zero_stage=1"]]
+TP, PP, DP = (["parallel=tp2", "parallel.sequence_parallel=true"], ["parallel=pp2", "parallel.pipeline_schedule=1f1b"],
+              ["parallel=dp2", "parallel.zero_stage=1"])
+LAYOUTS = [TP, PP, DP]
+
+
+@pytest.fixture(scope="module")
+def choices(tmp_path_factory):
+    """Multiple choice over the same made-up reviews: which of two continuations fits (data.task=choice)."""
+    rng = np.random.default_rng(1)
+    good, bad = ["great", "good", "lovely", "fine"], ["awful", "bad", "dull", "poor"]
+    rows = []
+    for _ in range(80):
+        positive, right = int(rng.integers(0, 2)), int(rng.integers(0, 2))
+        word = (good if positive else bad)[int(rng.integers(0, 4))]
+        options = ["so I liked it", "so I left early"] if positive else ["so I left early", "so I liked it"]
+        rows.append(json.dumps({"context": f"the film was {word} and the actors were there",
+                                "choices": options if right == 0 else options[::-1], "label": right}))
+    root = tmp_path_factory.mktemp("choice")
+    return _write(root / "train.jsonl", rows[:64]), _write(root / "dev.jsonl", rows[64:])
+
+
+def _gpt(gpt_run, data, head):
+    """GPT fine-tuning overrides: the session's pretrained gpt_tiny run, `data` = (train, dev) files."""
+    train, dev = data
+    task = ["model.num_labels=2", "data.task=sst2"] if head == "labels" else ["model.num_choices=2", "data.task=choice"]
+    return ["model=gpt_tiny", "model.vocab_size=1024", *task, "data=classification", f"data.paths=[{train}]",
+            f"data.valid_paths=[{dev}]", f"data.tokenizer.model={gpt_run / 'tokenizer.model'}",
+            f"checkpoint.load={gpt_run / 'checkpoints'}", "checkpoint.finetune=true", "checkpoint.save=false",
+            "trainer.micro_batch_size=2", "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}",
+            "trainer.eval_interval=0", "trainer.eval_steps=2", "trainer.log_interval=1", "trainer.progress_bar=false",
+            "trainer.num_threads=1", "optimizer.lr=1e-2", "optimizer.warmup_steps=1", "cluster.peak_flops=1e12"]
+
+
+def _bert_choice(run_dir, data):
+    # SGD: the fresh scorer gives both choices nearly one score, and Adam would turn the first step's
+    # near-zero gradients into full-size updates whose sign is rounding (layouts sum in another order)
+    base = [o for o in _base(run_dir, data) if not o.startswith(("model.num_labels", "data.task"))]
+    return [*base, "model.num_choices=2", "data.task=choice", "optimizer=sgd", "optimizer.lr=0.5"]
+
+
+# (name, layouts) of each fine-tuning run the layout tests compare with its single-process run
+HEADS = {"bert_labels": LAYOUTS, "gpt_labels": LAYOUTS, "bert_choice": [TP, PP], "gpt_choice": [DP, TP]}
 
 
 def _records(d: Path):
@@ -120,16 +154,23 @@ def _records(d: Path):
 
 
 @pytest.fixture(scope="module")
-def runs(pretrained, sentiment, tmp_path_factory):
-    from megalm.train import run
+def runs(pretrained, sentiment, choices, run, tmp_path_factory):
+    """Each head's single-process run (saved: megalm.evaluate reads it) and its layouts, on one set of ranks."""
+    from megalm.train import run as train_run
     from megalm.validation import validate
+    gpt_run = run[0]
     root = tmp_path_factory.mktemp("classify_runs")
-    cfg = load(*_base(pretrained, sentiment), "checkpoint.save=true")  # megalm.evaluate reads it
-    validate(cfg, 1)
-    run(cfg, root / "single", 1)
-    jobs = [([*_base(pretrained, sentiment), *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
+    overrides = {"bert_labels": _base(pretrained, sentiment), "gpt_labels": _gpt(gpt_run, sentiment, "labels"),
+                 "bert_choice": _bert_choice(pretrained, choices), "gpt_choice": _gpt(gpt_run, choices, "choice")}
+    cfgs = {}
+    for head, base in overrides.items():
+        cfgs[head] = cfg = load(*base, "checkpoint.save=true")
+        validate(cfg, 1)
+        train_run(cfg, root / head / "single", 1)
+    jobs = [([*overrides[head], *layout], str(root / head / f"layout{i}"))
+            for head, layouts in HEADS.items() for i, layout in enumerate(layouts)]
     run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
-    return root, cfg
+    return root, cfgs
 
 
 def test_first_step_is_the_pretrained_encoder_with_a_fresh_classifier(pretrained, runs):
@@ -140,7 +181,8 @@ def test_first_step_is_the_pretrained_encoder_with_a_fresh_classifier(pretrained
     from megalm.data.bert_dataset import BertSamples
     from megalm.generate import load_for_generation
     from megalm.models import build_model, init_weights
-    root, cfg = runs
+    root, cfgs = runs
+    cfg = cfgs["bert_labels"]
     _, old, _, _ = load_for_generation(pretrained)
     model = build_model(cfg.model)
     init_weights(model, cfg.model, cfg.trainer.seed)
@@ -160,18 +202,19 @@ def test_first_step_is_the_pretrained_encoder_with_a_fresh_classifier(pretrained
         for first in range(0, 8, 2):
             b = collate([data.train[i] for i in (first, first + 1)])
             losses.append(float(F.cross_entropy(model(b["tokens"], b["token_types"], b["padding_mask"]), b["label"])))
-    train, _ = _records(root / "single")
+    train, _ = _records(root / "bert_labels" / "single")
     assert train[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
     assert "acc" in train[0] and train[-1]["loss"] < train[0]["loss"]
 
 
-@pytest.mark.parametrize("index", range(len(LAYOUTS)))
-def test_classifier_at_a_layout_matches_the_single_process(runs, index):
+@pytest.mark.parametrize("head, index", [(h, i) for h, layouts in HEADS.items() for i in range(len(layouts))])
+def test_fine_tuning_at_a_layout_matches_the_single_process(runs, head, index):
     root, _ = runs
-    (single, single_val), (layout, layout_val) = _records(root / "single"), _records(root / f"layout{index}")
+    (single, single_val), (layout, layout_val) = _records(root / head / "single"), _records(root / head / f"layout{index}")
     assert len(single) == len(layout) == STEPS
     for key in ("loss", "acc"):
         np.testing.assert_allclose([r[key] for r in layout], [r[key] for r in single], rtol=1e-5)
+    np.testing.assert_allclose(layout[0]["grad_norm"], single[0]["grad_norm"], rtol=1e-5)
     np.testing.assert_allclose([r["val_loss"] for r in layout_val], [r["val_loss"] for r in single_val], rtol=1e-5)
 
 
@@ -179,13 +222,20 @@ def test_bad_classification_configs(pretrained, sentiment):
     from megalm.validation import validate
     base = _base(pretrained, sentiment)
     for extra, message in ((["model.num_labels=3"], r"data.task=sst2 has 2 label\(s\) .* model.num_labels=3"),
-                           (["data=mock"], r"model.num_labels=2 fine-tunes a classifier .* data=classification"),
+                           (["data=mock"], r"model.num_labels=2 fine-tunes on labelled examples: set data=classification"),
                            (["data.task=glue"], r"data.task='glue' is not one of jsonl, mnli")):
         with pytest.raises(ConfigError, match=message):
             validate(load(*base, *extra), 1)
-    gpt = [o for o in base if not o.startswith("model.num_labels")] + ["model=gpt_tiny"]
-    with pytest.raises(ConfigError, match=r"GPT has no classification head yet"):
-        validate(load(*gpt), 1)
+    for extra, message in ((["model.num_choices=2"], r"model.num_labels=2 and model.num_choices=2: .* keep one"),
+                           (["model.num_labels=0", "model.num_choices=2"], r"data.task=sst2 has 2 label.*num_choices=0"),
+                           (["model.num_labels=0", "model.num_choices=3", "data.task=race"],
+                            r"data.task=race is multiple choice: set model.num_choices=4 \(got 3\)"),
+                           (["model.num_labels=0", "model.num_choices=1"], r"model.num_choices=1 .* N >= 2"),
+                           (["data=qa"], r"set data=qa and model.span_head=true together")):
+        with pytest.raises(ConfigError, match=message):
+            validate(load(*base, *extra), 1)
+    with pytest.raises(ConfigError, match=r"data.source=qa trains BERT's span head"):
+        validate(load(*[o for o in base if not o.startswith("model.num_labels")], "model=gpt_tiny", "data=qa"), 1)
 
 
 def test_classify_metrics_equal_their_definitions():
@@ -219,8 +269,8 @@ def test_evaluate_classify_scores_the_fine_tuned_run(runs, sentiment, pretrained
     from megalm.generate import load_for_generation
     root, _ = runs
     _, dev = sentiment
-    got = evaluate(root / "single", "classify", dev)
-    _, model, tok, _ = load_for_generation(root / "single")
+    got = evaluate(root / "bert_labels" / "single", "classify", dev)
+    _, model, tok, _ = load_for_generation(root / "bert_labels" / "single")
     examples = read_examples([dev], "sst2", [], 2)
     right = 0
     with torch.no_grad():
@@ -229,6 +279,139 @@ def test_evaluate_classify_scores_the_fine_tuned_run(runs, sentiment, pretrained
             logits = model(*(torch.from_numpy(s[k])[None] for k in ("tokens", "token_types", "padding_mask")))
             right += int(int(logits.argmax(-1)) == e.label)
     assert got["examples"] == len(examples) == 24 and got["accuracy"] == right / len(examples)
-    assert json.loads((root / "single" / "eval" / "classify_dev.json").read_text())["accuracy"] == got["accuracy"]
+    written = root / "bert_labels" / "single" / "eval" / "classify_dev.json"
+    assert json.loads(written.read_text())["accuracy"] == got["accuracy"]
     with pytest.raises(ConfigError, match="scores a fine-tuned classifier"):
         evaluate(pretrained, "classify", dev)
+
+
+def _first_batches(cfg, tokenizer, samples, n=4):
+    """The trainer's first global batch of `cfg`'s run: micro-batches of 2 of the training split."""
+    from megalm.data import build_data, collate
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=cfg.trainer.seed, tokenizer=tokenizer,
+                      num_samples={"train": 8 * STEPS, "valid": 16}, samples=samples)
+    return [collate([data.train[i] for i in (first, first + 1)]) for first in range(0, 2 * n, 2)]
+
+
+def _fresh_head_model(cfg, pretrained_dir):
+    """cfg's model initialised by name, every parameter the pretrained run has copied from it."""
+    from megalm.generate import load_for_generation
+    from megalm.models import build_model, init_weights
+    _, old, tok, _ = load_for_generation(pretrained_dir)
+    model = build_model(cfg.model)
+    init_weights(model, cfg.model, cfg.trainer.seed)
+    old_params = dict(old.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in old_params:
+                p.copy_(old_params[name])
+    return model.eval(), tok
+
+
+def test_gpt_classifier_reads_the_last_real_token(runs, run):
+    """Reference: each example run alone, unpadded, through the pretrained decoder and the fresh score
+    head, its logits taken at its final position: the padded batch's loss must be the same."""
+    import torch.nn.functional as F
+    from megalm.data.loader import GPTSamples
+    root, cfgs = runs
+    cfg = cfgs["gpt_labels"]
+    model, tok = _fresh_head_model(cfg, run[0])
+    assert model.head is None and model.score is not None
+    losses = []
+    with torch.no_grad():
+        for b in _first_batches(cfg, tok, GPTSamples(cfg.model)):
+            rows = []
+            for tokens, last in zip(b["tokens"], b["last"]):
+                alone = tokens[: int(last) + 1]
+                assert int(alone[-1]) == tok.eod and (tokens[int(last) + 1:] == tok.eod).all()
+                rows.append(model(alone[None])[0, -1])
+            losses.append(float(F.cross_entropy(torch.stack(rows), b["label"])))
+    train, _ = _records(root / "gpt_labels" / "single")
+    assert train[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+
+
+def test_multiple_choice_scores_each_choice_as_its_own_sequence(runs, pretrained, choices):
+    """Reference: a one-output BERT regressor with the choice model's weights (the same parameter
+    names) scores [CLS] context [SEP] choice [SEP] of each choice, one at a time; the softmax over
+    the two scores against the label."""
+    import dataclasses
+    import torch.nn.functional as F
+    from megalm.data.bert_dataset import BertSamples, bert_specials
+    from megalm.models import build_model
+    root, cfgs = runs
+    cfg = cfgs["bert_choice"]
+    chooser, tok = _fresh_head_model(cfg, pretrained)
+    model = build_model(dataclasses.replace(cfg.model, num_choices=0, num_labels=1)).eval()
+    model.load_state_dict(chooser.state_dict())
+    examples = read_examples([choices[0]], "choice", [], 0, 2)
+    assert examples[0].choices is not None and len(examples) == 64
+    batches = _first_batches(cfg, tok, BertSamples(cfg.model))
+    assert batches[0]["tokens"].shape == (2, 2, cfg.model.seq_length)
+    losses = []
+    with torch.no_grad():
+        for b in batches:
+            scores = [[float(model(*(b[k][i, c][None] for k in ("tokens", "token_types", "padding_mask")))[0, 0])
+                       for c in range(2)] for i in range(2)]
+            losses.append(float(F.cross_entropy(torch.tensor(scores), b["label"])))
+    train, _ = _records(root / "bert_choice" / "single")
+    assert train[0]["loss"] == pytest.approx(np.mean(losses), rel=1e-5)
+    # each choice sequence is the context then that choice
+    first = examples[0]
+    sample = BertSamples(cfg.model).classification(tok, cfg.model.seq_length)(first)
+    for c, text in enumerate(first.choices):
+        want = pair_sample(tok.encode(first.text), tok.encode(text), first.label, cfg.model.seq_length,
+                           bert_specials(tok))
+        assert (sample["tokens"][c] == want["tokens"]).all() and (sample["token_types"][c] == want["token_types"]).all()
+
+
+def test_evaluate_classify_scores_gpt_and_multiple_choice_runs(runs, choices, sentiment):
+    """The classify task's accuracy equals the predictions counted one example at a time."""
+    from megalm.evaluate import evaluate
+    from megalm.generate import load_for_generation
+    from megalm.models import family_of
+    root, _ = runs
+    for head, dev, task, n in (("gpt_choice", choices[1], "choice", 2), ("gpt_labels", sentiment[1], "sst2", 0),
+                               ("bert_choice", choices[1], "choice", 2)):
+        got = evaluate(root / head / "single", "classify", dev, batch_size=3)
+        cfg, model, tok, _ = load_for_generation(root / head / "single")
+        make = family_of(cfg.model.arch).samples(cfg.model).classification(tok, cfg.model.seq_length)
+        examples = read_examples([dev], task, [], 0 if n else 2, n)
+        right = 0
+        with torch.no_grad():
+            for e in examples:
+                s = {k: torch.from_numpy(v)[None] for k, v in make(e).items()}
+                out = model(*(s[k] for k in family_of(cfg.model.arch).inputs))
+                pred = model.predictions(out, s) if hasattr(model, "predictions") else out
+                right += int(int(pred.argmax(-1)) == e.label)
+        assert got["examples"] == len(examples) and got["accuracy"] == right / len(examples), head
+    with pytest.raises(ConfigError, match="fine-tuned classifier .* classify task"):
+        evaluate(root / "gpt_labels" / "single", "perplexity", sentiment[1])
+
+
+@pytest.mark.parametrize("name, text, message", [
+    ("race.txt", '{"article": "a", "questions": ["q"], "options": [["a", "b", "c"]], "answers": ["A"]}',
+     r"race.txt: question 0: RACE questions have 4 options"),
+    ("race.txt", '{"article": "a", "questions": ["q"], "options": [["a", "b", "c", "d"]], "answers": ["E"]}',
+     r"race.txt: question 0: answer 'E' is not one of A, B, C, D"),
+    ("race.txt", '{"article": "a"', r"race.txt:\d+: not JSON"),
+    ("c.jsonl", '{"context": "a", "choices": ["x", "y", "z"], "label": 0}', r"c.jsonl:1: 3 choices; model.num_choices=2"),
+    ("c.jsonl", '{"context": "a", "choices": ["x", "y"], "label": 2}', r"c.jsonl:1: label 2 is not a choice's index"),
+    ("c.jsonl", '{"context": "a", "label": 0}', r"c.jsonl:1: needs 'context'"),
+])
+def test_bad_choice_files_name_file_and_line(tmp_path, name, text, message):
+    path = _write(tmp_path / name, [text])
+    with pytest.raises(DataError, match=message):
+        read_examples([path], "race" if name.endswith(".txt") else "choice", [], 0, 2 if "c." in name else 4)
+
+
+def test_race_fills_the_blank_or_appends_the_option(tmp_path):
+    d = tmp_path / "RACE" / "train" / "middle"
+    d.mkdir(parents=True)
+    (d / "1.txt").write_text(json.dumps({"article": "Tom has a cat.", "questions": ["Tom has a _ .", "What pet?"],
+                                         "options": [["cat", "dog", "cow", "hen"], ["cat", "dog", "cow", "hen"]],
+                                         "answers": ["A", "B"]}))
+    got = read_examples([str(tmp_path / "RACE")], "race", [], 0, 4)
+    assert got == [Example("Tom has a cat.", None, 0, ("Tom has a cat .", "Tom has a dog .", "Tom has a cow .",
+                                                      "Tom has a hen .")),
+                   Example("Tom has a cat.", None, 1, ("What pet? cat", "What pet? dog", "What pet? cow",
+                                                      "What pet? hen"))]

@@ -33,6 +33,8 @@ EXTRA[("model", "bert_tiny")] = ["data=mock"]
 EXTRA[("data", "sft")] = ["data.paths=[/x/train.jsonl]", "data.tokenizer.model=/tok.model"]
 EXTRA[("data", "classification")] = ["model=bert_cpu", "model.num_labels=2", "data.labels=[neg,pos]",
                                      "data.paths=[/x/train.jsonl]", "data.tokenizer.model=/tok.model"]
+EXTRA[("data", "qa")] = ["model=bert_cpu", "model.span_head=true", "data.paths=[/x/train-v1.1.json]",
+                         "data.tokenizer.model=/tok.model"]
 
 
 @pytest.mark.parametrize("group,name", [(g, n) for g in ("model", "parallel", "optimizer", "data", "cluster")

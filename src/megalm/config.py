@@ -206,9 +206,11 @@ class DataConfig:
     name: str = "stdlib"
     """Preset name."""
     source: str = "stdlib"
-    """stdlib (Python's sources, the default) | stdlib_prose (docstrings as sentences, for BERT) | mock | indexed | sft."""
+    """stdlib (Python's sources, the default) | stdlib_prose (docstrings as sentences, for BERT) | mock | indexed | sft
+    | classification (labelled examples, or multiple choice) | qa (SQuAD, extractive)."""
     paths: List[str] = field(default_factory=list)
-    """One .bin/.idx prefix (source=indexed; Megatron's flat weighted form [w, prefix, ...] also works); JSON-lines files (sft)."""
+    """One .bin/.idx prefix (source=indexed; Megatron's flat weighted form [w, prefix, ...] also works); example files
+    (sft, classification, qa; RACE: directories of its .txt files)."""
     blend: List[Any] = field(default_factory=list)
     """Weighted .bin/.idx prefixes (source=indexed): [[0.3, prefix_a], [0.7, prefix_b]] or flat [0.3, prefix_a, 0.7, prefix_b]."""
     split: str = "98,2,0"
@@ -222,11 +224,16 @@ class DataConfig:
     eod_mask_loss: bool = False
     """Zero the loss at positions whose input token is end-of-document (Megatron's --eod-mask-loss)."""
     valid_paths: List[str] = field(default_factory=list)
-    """classification: validation files (empty: data.split divides data.paths)."""
+    """classification, qa: validation files (empty: data.split divides data.paths)."""
     task: str = "jsonl"
-    """classification: the files' layout: jsonl ({text, text_pair?, label}) | mnli | qqp | sst2 | cola | stsb (GLUE's TSV)."""
+    """classification: the files' layout: jsonl ({text, text_pair?, label}) | mnli | qqp | sst2 | cola | stsb (GLUE's
+    TSV); multiple choice (model.num_choices): choice ({context, choices, label}) | race (RACE's JSON .txt files)."""
     labels: List[str] = field(default_factory=list)
     """classification, task=jsonl: the class names in label order (empty: integer labels, or a regression)."""
+    doc_stride: int = 128
+    """qa: tokens between the starts of the windows a long context is read in (BERT's run_squad)."""
+    max_query_length: int = 64
+    """qa: the question's tokens kept (the rest are cut)."""
     packing: bool = False
     """sft: pack whole examples into each sequence, positions and attention reset per example (false: one, padded)."""
     chat_template: str = "{role}: {content}\n"

@@ -26,7 +26,7 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
-    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification"),
+    "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),
     "cluster.backend": ("auto", "nccl", "gloo"),
@@ -159,9 +159,10 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
                               "(weighted prefixes: [[0.3, prefix_a], [0.7, prefix_b]])")
         blend_spec(cfg.data)  # weights and form checked here, before anything is built
-    if cfg.data.source == "classification" and not cfg.data.paths:
-        raise ConfigError("data.source=classification reads labelled examples: set data.paths=[train file, ...] "
-                          "(and data.valid_paths, data.task)")
+    if cfg.data.source in ("classification", "qa") and not cfg.data.paths:
+        raise ConfigError(f"data.source={cfg.data.source} reads labelled examples: set data.paths=[train file, ...] "
+                          "(and data.valid_paths" + (", data.task)" if cfg.data.source == "classification" else ")"))
+    _validate_head(cfg)
     if cfg.data.source == "sft":
         if not cfg.data.paths or cfg.data.blend:
             raise ConfigError("data.source=sft reads JSON-lines files of examples: set data.paths=[train.jsonl, ...] "
@@ -181,6 +182,48 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)
+
+
+def _validate_head(cfg: Config) -> None:
+    """A fine-tuning head (model.num_labels, num_choices or span_head, in the families that have them)
+    and the data it trains on go together."""
+    m, d = cfg.model, cfg.data
+    num_labels, num_choices = getattr(m, "num_labels", 0), getattr(m, "num_choices", 0)
+    span = getattr(m, "span_head", False)
+    if num_labels < 0 or num_choices < 0 or num_choices == 1:
+        raise ConfigError(f"model.num_labels={num_labels} (0: none, 1: a regression, N: classes) and model.num_choices="
+                          f"{num_choices} (0: none, N >= 2 choices) take those values only")
+    heads = ([f"model.num_labels={num_labels}"] if num_labels else []) + (
+        [f"model.num_choices={num_choices}"] if num_choices else []) + (["model.span_head=true"] if span else [])
+    if len(heads) > 1:
+        raise ConfigError(f"{' and '.join(heads)}: a model has one fine-tuning head; keep one of them")
+    if d.source == "qa" or span:
+        if not span or d.source != "qa":
+            raise ConfigError("extractive QA trains a span head on SQuAD files: set data=qa and model.span_head=true "
+                              f"together (got data.source={d.source}, model.span_head={str(span).lower()})")
+        if d.doc_stride < 1 or d.max_query_length < 1 or d.max_query_length + 4 > m.seq_length:
+            raise ConfigError(f"data.doc_stride={d.doc_stride} and data.max_query_length={d.max_query_length} must be "
+                              f"at least 1, and the query must leave room for context in model.seq_length={m.seq_length}")
+        return
+    from megalm.data.classification import CHOICE_TASKS, num_classes
+    if d.source != "classification":
+        if heads:
+            raise ConfigError(f"{heads[0]} fine-tunes on labelled examples: set data=classification "
+                              f"(or {heads[0].split('=')[0]}=0 to pretrain)")
+        return
+    if d.task in CHOICE_TASKS:
+        need = CHOICE_TASKS[d.task]
+        if not num_choices or (need and num_choices != need):
+            raise ConfigError(f"data.task={d.task} is multiple choice: set model.num_choices="
+                              f"{need or 'the number of choices each example has'} (got {num_choices}), "
+                              "and model.num_labels=0")
+        return
+    need = num_classes(d.task, d.labels, num_labels)
+    if num_labels < 1 or need != num_labels:
+        raise ConfigError(f"data.task={d.task} has {need or 'integer'} label(s) "
+                          f"({'a regression' if need == 1 else 'classes'}), but model.num_labels={num_labels}; "
+                          f"set model.num_labels={max(need, 1) if need else 'the number of classes'}"
+                          + (" and model.num_choices=0" if num_choices else ""))
 
 
 def _validate_vocab(cfg: Config) -> None:

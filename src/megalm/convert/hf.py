@@ -220,6 +220,9 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     step_dir, cfg, run_dir = locate_checkpoint(src, config)
+    if getattr(cfg, "fine_tuning_head", False):
+        raise ConfigError(f"{src} is a fine-tuned classifier, multiple-choice or QA run: export_to_hf writes "
+                          "pretraining models (language-model heads); score it with python -m megalm.evaluate")
     arch = export_arch(cfg)
     out = Path(out_dir).expanduser()
     _check_out_dir(out, force, ("config.json", "model.safetensors"))

@@ -297,18 +297,30 @@ class BertSamples:
     def __init__(self, model_cfg):
         self.binary_head = model_cfg.binary_head
         self.num_labels = getattr(model_cfg, "num_labels", 0)
+        self.num_choices = getattr(model_cfg, "num_choices", 0)
 
     def mock(self, tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
         return MockBertDataset(tokenizer, seq_length, seed, name, num_samples, binary_head=self.binary_head)
 
     def classification(self, tokenizer, seq_length: int):
         """example -> sample (megalm.data.classification.Example to pair_sample's dict)."""
+        from megalm.data.classification import stack_choices
         specials = bert_specials(tokenizer)
 
         def make(example):
+            text = tokenizer.encode(example.text)
+            if example.choices is not None:  # one [CLS] context [SEP] choice [SEP] per choice: (C, T)
+                return stack_choices([pair_sample(text, tokenizer.encode(c), example.label, seq_length, specials)
+                                      for c in example.choices])
             pair = tokenizer.encode(example.pair) if example.pair is not None else None
-            return pair_sample(tokenizer.encode(example.text), pair, example.label, seq_length, specials)
+            return pair_sample(text, pair, example.label, seq_length, specials)
         return make
+
+    def qa(self, tokenizer, seq_length: int, doc_stride: int, max_query_length: int):
+        """question -> its windows (megalm.data.squad.windows: [CLS] question [SEP] context window [SEP])."""
+        from megalm.data.squad import windows
+        specials = bert_specials(tokenizer)
+        return lambda question: windows(question, tokenizer.encode, specials, seq_length, doc_stride, max_query_length)
 
     def dataset(self, indexed, documents: range, *, tokenizer, seq_length: int, seed: int, name: str,
                 num_samples: Optional[int], cache_dir) -> BertDataset:

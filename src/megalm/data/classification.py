@@ -7,8 +7,15 @@ data.task names the layout of data.paths (training) and data.valid_paths (valida
   labels contradiction, entailment, neutral), qqp (question1, question2, is_duplicate), sst2
   (sentence, label), cola (no header: source, label, original label, sentence), stsb (sentence1,
   sentence2, score: a regression).
+Multiple choice (model.num_choices): the example's context is read with each choice in turn.
+- choice: {"context": str, "choices": [str, ...], "label": index of the right choice}, every example
+  with model.num_choices choices (the input megalm.evaluate's choice task reads);
+- race: RACE's files as Megatron's reader takes them: data.paths are directories (or files) of .txt
+  files, each one JSON {"article", "questions": [...], "options": [[4 options] ...], "answers":
+  ["A".."D" ...]}; a choice is the question with its "_" blank filled by the option, or the
+  question and the option.
 A family turns each example into a sample (BERT: [CLS] a [SEP] b [SEP], the longer text trimmed
-first); the training order is a fresh permutation each epoch, as for SFT.
+first; one such sequence per choice); the training order is a fresh permutation each epoch, as for SFT.
 """
 
 from __future__ import annotations
@@ -17,6 +24,8 @@ import csv
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
 
 from megalm.data.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
@@ -29,7 +38,9 @@ GLUE = {
     "cola": (3, None, 1, ("0", "1")),
     "stsb": ("sentence1", "sentence2", "score", None),
 }
-TASKS = ("jsonl",) + tuple(GLUE)
+CHOICE_TASKS = {"choice": 0, "race": 4}
+"""Multiple-choice layouts -> the choices each example has (0: what model.num_choices says)."""
+TASKS = ("jsonl",) + tuple(GLUE) + tuple(CHOICE_TASKS)
 
 
 @dataclass(frozen=True)
@@ -37,6 +48,8 @@ class Example:
     text: str
     pair: Optional[str]
     label: Union[int, float]
+    choices: Optional[Tuple[str, ...]] = None
+    """Multiple choice: what is read after `text`, one sequence per choice (`pair` is then None)."""
 
 
 def task_labels(task: str, labels: Sequence[str]) -> Optional[Tuple[str, ...]]:
@@ -44,6 +57,8 @@ def task_labels(task: str, labels: Sequence[str]) -> Optional[Tuple[str, ...]]:
     or integer labels, which model.num_labels bounds)."""
     if task not in TASKS:
         raise ConfigError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
+    if task in CHOICE_TASKS:
+        return None
     if task != "jsonl":
         return GLUE[task][3]
     return tuple(labels) or None
@@ -71,14 +86,27 @@ def _label(value, names: Optional[Tuple[str, ...]], num_labels: int, where: str)
     raise DataError(f"{where}: label {value!r} is not one of {allowed}")
 
 
-def read_examples(paths: Sequence[str], task: str, labels: Sequence[str], num_labels: int) -> List[Example]:
+def read_examples(paths: Sequence[str], task: str, labels: Sequence[str], num_labels: int,
+                  num_choices: int = 0) -> List[Example]:
     names = task_labels(task, labels)
     out: List[Example] = []
     for p in paths:
         path = Path(p).expanduser()
+        if task == "race" and path.is_dir():
+            files = sorted(path.rglob("*.txt"))
+            if not files:
+                raise DataError(f"{path} holds no RACE .txt files")
+            for f in files:
+                out += _read_race(f)
+            continue
         if not path.is_file():
             raise DataError(f"{path} does not exist")
-        out += _read_jsonl(path, names, num_labels) if task == "jsonl" else _read_glue(path, task, names, num_labels)
+        if task == "race":
+            out += _read_race(path)
+        elif task == "choice":
+            out += _read_choice(path, num_choices)
+        else:
+            out += _read_jsonl(path, names, num_labels) if task == "jsonl" else _read_glue(path, task, names, num_labels)
     if not out:
         raise DataError(f"{', '.join(map(str, paths))} hold no examples")
     return out
@@ -93,6 +121,47 @@ def _read_jsonl(path: Path, names, num_labels: int) -> List[Example]:
         if pair is not None and not isinstance(pair, str):
             raise DataError(f"{where}: 'text_pair' must be a string")
         out.append(Example(rec["text"], pair, _label(rec["label"], names, num_labels, where)))
+    return out
+
+
+def _read_choice(path: Path, num_choices: int) -> List[Example]:
+    out = []
+    for where, rec in json_lines(path):
+        choices = rec.get("choices") if isinstance(rec, dict) else None
+        if (not isinstance(rec, dict) or not isinstance(rec.get("context"), str) or not isinstance(choices, list)
+                or not all(isinstance(c, str) for c in choices)):
+            raise DataError(f"{where}: needs 'context' (a string), 'choices' (a list of strings) and 'label'")
+        if len(choices) != num_choices:
+            raise DataError(f"{where}: {len(choices)} choices; model.num_choices={num_choices}, and every example "
+                            "must have that many")
+        label = rec.get("label")
+        if isinstance(label, bool) or not isinstance(label, int) or not 0 <= label < num_choices:
+            raise DataError(f"{where}: label {label!r} is not a choice's index, 0..{num_choices - 1}")
+        out.append(Example(rec["context"], None, label, tuple(choices)))
+    return out
+
+
+def _read_race(path: Path) -> List[Example]:
+    import json
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    keys = ("article", "questions", "options", "answers")
+    if not isinstance(rec, dict) or any(k not in rec for k in keys):
+        raise DataError(f"{path}: a RACE file holds one JSON object with {', '.join(keys)}")
+    qs, opts, answers = rec["questions"], rec["options"], rec["answers"]
+    if not len(qs) == len(opts) == len(answers):
+        raise DataError(f"{path}: {len(qs)} questions, {len(opts)} option lists and {len(answers)} answers differ")
+    out = []
+    for k, (question, options, answer) in enumerate(zip(qs, opts, answers)):
+        where = f"{path}: question {k}"
+        if not isinstance(options, list) or len(options) != 4 or not all(isinstance(o, str) for o in options):
+            raise DataError(f"{where}: RACE questions have 4 options (strings); got {options!r}")
+        if answer not in ("A", "B", "C", "D"):
+            raise DataError(f"{where}: answer {answer!r} is not one of A, B, C, D")
+        choices = tuple(question.replace("_", o) if "_" in question else f"{question} {o}" for o in options)
+        out.append(Example(rec["article"], None, "ABCD".index(answer), choices))
     return out
 
 
@@ -120,6 +189,11 @@ def _read_glue(path: Path, task: str, names, num_labels: int) -> List[Example]:
             out.append(Example(row[col(text_col)], row[col(pair_col)] if pair_col is not None else None,
                                _label(row[col(label_col)], names, num_labels, where)))
     return out
+
+
+def stack_choices(samples: List[Dict[str, np.ndarray]]) -> Dict[str, np.ndarray]:
+    """One multiple-choice sample of the per-choice samples: each key stacked to (C, ...), the label kept once."""
+    return {k: samples[0][k] if k == "label" else np.stack([s[k] for s in samples]) for k in samples[0]}
 
 
 class ClassificationDataset:

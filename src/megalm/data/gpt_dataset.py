@@ -284,3 +284,19 @@ class MockGPTDataset:
         rng = np.random.default_rng([self.seed, _SPLIT_IDS[self.name], int(i)])
         start, stride = rng.integers(0, self.vocab_size), rng.integers(1, min(17, self.vocab_size))
         return (start + stride * np.arange(self.seq_length + 1, dtype=np.int64)) % self.vocab_size
+
+
+def decoder_pair_sample(a, b, label, seq_length: int, eod: int) -> Dict[str, np.ndarray]:
+    """A decoder's classification sample: a <eod> (b <eod>), the longer text trimmed from its end
+    first until it fits, padded with <eod>; `last` is the final <eod>'s position, whose hidden state
+    has read the whole input (the causal mask), where the classifier reads; `label` an int or a float."""
+    a, b = list(a), (list(b) if b is not None else None)
+    room = seq_length - (2 if b is not None else 1)
+    while len(a) + len(b or []) > room:
+        longer = a if b is None or len(a) > len(b) else b
+        longer.pop()
+    tokens = [*a, eod] + ([*b, eod] if b is not None else [])
+    out = np.full(seq_length, eod, dtype=np.int64)
+    out[:len(tokens)] = tokens
+    return {"tokens": out, "last": np.array(len(tokens) - 1, dtype=np.int64),
+            "label": np.array(label, dtype=np.float32 if isinstance(label, float) else np.int64)}

@@ -36,7 +36,7 @@ log = logging.getLogger("megalm.data")
 
 Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
-SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification")
+SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa")
 STDLIB_SOURCES = ("stdlib", "stdlib_prose")
 _CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
 _ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
@@ -140,7 +140,7 @@ def build_data_tokenizer(cfg: DataConfig) -> Tokenizer:
             raise DataError(f"data.source={cfg.source} is text and needs tokenizer.type=sentencepiece or huggingface "
                             f"(got {cfg.tokenizer.type!r})")
         return build_tokenizer(cfg.tokenizer, _stdlib_text(cfg), Path(cfg.cache_dir).expanduser())
-    if cfg.source in ("indexed", "sft", "classification"):
+    if cfg.source in ("indexed", "sft", "classification", "qa"):
         return build_tokenizer(cfg.tokenizer)
     raise DataError(f"data.source={cfg.source!r} is not one of {', '.join(SOURCES)}")
 
@@ -156,6 +156,25 @@ class GPTSamples:
     file is sentence-split)."""
 
     split_by = "sequences"
+
+    def __init__(self, model_cfg=None):
+        self.num_labels = getattr(model_cfg, "num_labels", 0)
+        self.num_choices = getattr(model_cfg, "num_choices", 0)
+
+    def classification(self, tokenizer: Tokenizer, seq_length: int):
+        """example -> sample (megalm.data.classification.Example to decoder_pair_sample's dict; multiple
+        choice: context <eod> choice <eod> for each choice, stacked)."""
+        from megalm.data.classification import stack_choices
+        from megalm.data.gpt_dataset import decoder_pair_sample
+
+        def make(example):
+            text = tokenizer.encode(example.text)
+            if example.choices is not None:
+                return stack_choices([decoder_pair_sample(text, tokenizer.encode(c), example.label, seq_length,
+                                                          tokenizer.eod) for c in example.choices])
+            pair = tokenizer.encode(example.pair) if example.pair is not None else None
+            return decoder_pair_sample(text, pair, example.label, seq_length, tokenizer.eod)
+        return make
 
     def mock(self, tokenizer: Tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
         return MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name, num_samples)
@@ -188,6 +207,8 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
         return _sft_data(cfg, tokenizer, seq_length, seed, requested)
     if cfg.source == "classification":
         return _classification_data(cfg, tokenizer, seq_length, seed, requested, samples)
+    if cfg.source == "qa":
+        return _qa_data(cfg, tokenizer, seq_length, seed, requested, samples)
     sources = corpus_sources(cfg, tokenizer, cache_dir)
     sets: List[Optional[Dataset]] = []
     for k, name in enumerate(_SPLITS):
@@ -222,15 +243,38 @@ def _classification_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int,
     if not hasattr(samples, "classification"):
         raise DataError("data.source=classification: this model family has no classification samples")
     make = samples.classification(tokenizer, seq_length)
-    train = read_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels)
+    train = read_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
     if cfg.valid_paths:
-        valid = read_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels)
+        valid = read_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
     else:
         parts = split_documents(len(train), cfg.split)
         train, valid = [train[j] for j in parts[0]], [train[j] for j in parts[1]]
     log.info("classification (%s): %d training and %d validation examples", cfg.task, len(train), len(valid))
     return DataBundle(tokenizer, ClassificationDataset(train, make, "train", seed, requested["train"]),
                       ClassificationDataset(valid, make, "valid", seed, requested["valid"]), None)
+
+
+def _qa_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
+             requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
+    """SQuAD files: data.paths for training, data.valid_paths for validation (empty: data.split of the
+    questions); every window of every question is a sample."""
+    from megalm.data.classification import ClassificationDataset
+    from megalm.data.squad import read_squad
+    if not hasattr(samples, "qa"):
+        raise DataError("data.source=qa: this model family has no extractive-QA samples")
+    make = samples.qa(tokenizer, seq_length, cfg.doc_stride, cfg.max_query_length)
+    train = [q for p in cfg.paths for q in read_squad(p)]
+    if cfg.valid_paths:
+        valid = [q for p in cfg.valid_paths for q in read_squad(p)]
+    else:
+        parts = split_documents(len(train), cfg.split)
+        train, valid = [train[j] for j in parts[0]], [train[j] for j in parts[1]]
+    sets = []
+    for name, questions in (("train", train), ("valid", valid)):
+        windows = [w.sample for q in questions for w in make(q)]
+        sets.append(ClassificationDataset(windows, lambda sample: sample, name, seed, requested[name]))
+        log.info("qa: %d %s questions in %d windows", len(questions), name, len(windows))
+    return DataBundle(tokenizer, sets[0], sets[1], None)
 
 
 def corpus_sources(cfg: DataConfig, tokenizer: Tokenizer, cache_dir: Path) -> List[Tuple[float, IndexedDataset]]:

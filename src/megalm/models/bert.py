@@ -27,7 +27,7 @@ from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.init import init_by_name
 from megalm.models.layers import MLP, Attention, build_norm
-from megalm.models.losses import LMLoss
+from megalm.models.losses import LMLoss, classification_loss, fold_choices, span_loss
 
 VOCAB_PARAMS = ("embed.tok.weight", "lm_head.out.weight", "lm_head.out.bias")  # rows = padded vocabulary
 NORM_POSITIONS = ("pre", "post")
@@ -48,6 +48,16 @@ class BertConfig(ModelConfig):
     """pre (Megatron: norm before each sub-layer, a final norm) | post (original BERT / Hugging Face)."""
     num_labels: int = 0
     """0: pretraining heads (MLM, sentence order); N >= 2: a classifier over N classes, 1: a regressor (fine-tuning)."""
+    num_choices: int = 0
+    """0: not multiple choice; N >= 2: each example is N (context, choice) sequences, one score each from the
+    pooled output, softmax over the N (Megatron's RACE model; fine-tuning)."""
+    span_head: bool = False
+    """Extractive QA (fine-tuning): start and end logits on every token (SQuAD), in place of the pretraining heads."""
+
+    @property
+    def fine_tuning_head(self) -> bool:
+        """A classifier, a multiple-choice scorer or a span head replaces the pretraining heads."""
+        return bool(self.num_labels or self.num_choices or self.span_head)
 
 
 class BertEmbedding(nn.Module):
@@ -128,12 +138,18 @@ class BERT(nn.Module):
         self.pooler: Optional[Pooler] = Pooler(h)
         self.classifier: Optional[nn.Linear] = None
         self.classifier_drop: Optional[nn.Dropout] = None
+        self.qa_head: Optional[nn.Linear] = None
         self.lm_head: Optional[MLMHead] = None
         self.binary_head: Optional[nn.Linear] = None
         self.criterion: Optional[nn.Module] = None
-        if cfg.num_labels:  # fine-tuning: Megatron's Classification head, pooler -> dropout -> linear
-            self.classifier_drop, self.classifier = nn.Dropout(cfg.dropout), nn.Linear(h, cfg.num_labels)
-            self.metric_names: Tuple[str, ...] = ("acc",) if cfg.num_labels > 1 else ()
+        if cfg.span_head:  # extractive QA: (start, end) logits of every token
+            self.pooler = None
+            self.qa_head = nn.Linear(h, 2)
+            self.metric_names: Tuple[str, ...] = ("start_acc", "end_acc")
+        elif cfg.num_labels or cfg.num_choices:
+            # Megatron's Classification / MultipleChoice heads: pooler -> dropout -> linear (one score a choice)
+            self.classifier_drop, self.classifier = nn.Dropout(cfg.dropout), nn.Linear(h, cfg.num_labels or 1)
+            self.metric_names = () if cfg.num_labels == 1 else ("acc",)
         else:
             self.lm_head = MLMHead(cfg, V)
             self.lm_head.out.weight = self.embed.tok.weight
@@ -141,20 +157,21 @@ class BERT(nn.Module):
             self.criterion = LMLoss(cfg.vocab_size)
             self.metric_names = ("lm_loss", "mlm_acc") + (("sop_loss", "sop_acc") if cfg.binary_head else ())
         """What `loss_and_metrics` reports beside the loss (the trainer logs them)."""
-        self.new_heads: Tuple[str, ...] = ("classifier",) if cfg.num_labels else ()
+        self.new_heads: Tuple[str, ...] = ("qa_head",) if cfg.span_head else ("classifier",) if self.classifier else ()
         """Modules a fine-tuning start initialises afresh: a pretrained checkpoint does not hold them."""
 
     def forward(self, *inputs: torch.Tensor, part: Optional[Part] = None):
         """(tokens, token_types, padding_mask), each (B, T) → (MLM logits (B, T, V), sentence-order
         logits (B, 2)), or the MLM logits alone without the binary head; with num_labels, the
-        classifier's (B, num_labels).
+        classifier's (B, num_labels); with num_choices, inputs (B, C, T) → scores (B, C); with the
+        span head, (start, end) logits (B, T, 2).
 
         With `part` (a pipeline stage) only its layers run: a stage after the first takes
         (hidden (B, T, h), padding_mask), and one before the last returns them.
         """
         first, last = part is None or part.first, part is None or part.last
         if first:
-            tokens, token_types, padding_mask = inputs
+            tokens, token_types, padding_mask = fold_choices(inputs, self.cfg.num_choices)
             x = self.embed(tokens, token_types)  # (B, T, h), or this rank's sequence shard under SP
         else:
             x, padding_mask = inputs
@@ -166,8 +183,11 @@ class BERT(nn.Module):
             return x, padding_mask
         if self.norm is not None:
             x = self.norm(x)
+        if self.qa_head is not None:
+            return self.qa_head(x)
         if self.classifier is not None:
-            return self.classifier(self.classifier_drop(self.pooler(x)))
+            scores = self.classifier(self.classifier_drop(self.pooler(x)))
+            return scores.view(-1, self.cfg.num_choices) if self.cfg.num_choices else scores
         logits = self.lm_head(x)  # (B, T, V), or this rank's vocabulary shard under TP
         if self.binary_head is None:
             return logits
@@ -181,8 +201,10 @@ class BERT(nn.Module):
         """The loss, and `metric_names`' values on this micro-batch (detached): the MLM loss and the
         fraction of masked tokens predicted right; with the binary head, the sentence-order loss
         and accuracy."""
+        if self.qa_head is not None:
+            return span_loss(output, batch["start_positions"], batch["end_positions"])
         if self.classifier is not None:
-            return self.classification_loss(output, batch["label"])
+            return classification_loss(output, batch["label"], regression=self.cfg.num_labels == 1)
         logits, order = (output, None) if self.binary_head is None else output
         mask = batch["loss_mask"].float()
         lm = self.criterion(logits, batch["labels"], mask)
@@ -196,15 +218,6 @@ class BERT(nn.Module):
         return loss, torch.stack([v.float() for v in values])
 
 
-    def classification_loss(self, logits: torch.Tensor, label: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Cross-entropy over the classes and the accuracy, or with one label the mean squared error
-        of the regression (labels float)."""
-        if self.cfg.num_labels == 1:
-            loss = F.mse_loss(logits.float()[:, 0], label.float())
-            return loss, torch.zeros(0, device=loss.device)
-        loss = F.cross_entropy(logits.float(), label.long())
-        return loss, (logits.argmax(-1) == label).float().mean().detach()[None]
-
 
 def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:
     """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual
@@ -217,8 +230,8 @@ def flops_per_token(cfg: BertConfig, seq_length: Optional[int] = None) -> float:
     (h x V_padded) matmuls on every token (the pooler and binary head act on one token a sequence)."""
     from megalm.models.flops import flops_per_token as transformer
     h = cfg.hidden_size
-    if cfg.num_labels:  # the classifier acts on one token a sequence; no MLM head
-        return transformer(cfg, seq_length) - 6.0 * h * cfg.padded_vocab_size
+    if cfg.fine_tuning_head:  # no MLM head: a classifier on one token a sequence, or a span head's h x 2
+        return transformer(cfg, seq_length) - 6.0 * h * cfg.padded_vocab_size + (12.0 * h if cfg.span_head else 0.0)
     return transformer(cfg, seq_length) + 6.0 * h * h
 
 
@@ -246,23 +259,13 @@ def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
         plan += [(f"blocks.*.{name}", TPRandom()) for name in ("attn.dropout", "mlp.dropout")]
         plan += [(name, SequenceParallelParams())
                  for name in ("blocks.*.norm1", "blocks.*.norm2", "norm", "lm_head.dense", "lm_head.norm")]
-        plan += [("pooler", GatherSequence())]
+        plan += [("pooler", GatherSequence()), ("qa_head", GatherSequence())]
     plan += [("lm_head.out", ColumnParallel(rows=rows)), ("criterion", VocabParallelLoss(rows))]
     return plan
 
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
-    if cfg.data.source == "classification" or m.num_labels:
-        from megalm.data.classification import num_classes
-        if cfg.data.source != "classification":
-            raise ConfigError(f"model.num_labels={m.num_labels} fine-tunes a classifier on labelled examples: "
-                              "set data=classification (or model.num_labels=0 to pretrain)")
-        need = num_classes(cfg.data.task, cfg.data.labels, m.num_labels)
-        if m.num_labels < 1 or need != m.num_labels:
-            raise ConfigError(f"data.task={cfg.data.task} has {need or 'integer'} label(s) "
-                              f"({'a regression' if need == 1 else 'classes'}), but model.num_labels={m.num_labels}; "
-                              f"set model.num_labels={max(need, 1) if need else 'the number of classes'}")
     if cfg.data.source == "sft":
         raise ConfigError("data.source=sft fine-tunes decoder models on responses; BERT (model.arch=bert) "
                           "does not generate")
@@ -292,7 +295,8 @@ FAMILY = Family(
     name="bert", config=BertConfig, build=BERT, init_weights=init_weights, flops_per_token=flops_per_token,
     validate=validate, tp_plan=tp_plan, inputs=("tokens", "token_types", "padding_mask"),
     parts=Parts(layers="blocks", first=("embed",),
-                last=("norm", "pooler", "lm_head", "binary_head", "criterion", "classifier", "classifier_drop"),
+                last=("norm", "pooler", "lm_head", "binary_head", "criterion", "classifier", "classifier_drop",
+                      "qa_head"),
                 selective=("attn.core",)),
     samples=samples,
     hf="megalm.models.bert_hf", vocab_params=VOCAB_PARAMS, tied=(("lm_head.out.weight", "embed.tok.weight"),))

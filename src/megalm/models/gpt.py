@@ -16,8 +16,8 @@ from torch import nn
 from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
-from megalm.models.flops import flops_per_token
-from megalm.models.losses import LMLoss
+from megalm.models.flops import flops_per_token as transformer_flops
+from megalm.models.losses import LMLoss, classification_loss, fold_choices
 from megalm.models.init import init_by_name
 from megalm.models.layers import Block, Embedding, KVCache, build_norm, rope_tables
 
@@ -36,6 +36,17 @@ class GPTConfig(ModelConfig):
     """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
     tie_embeddings: bool = True
     """Share the input embedding with the output head."""
+    num_labels: int = 0
+    """0: the language-model head; N >= 2: a classifier over N classes, 1: a regressor, read at the last real
+    token (fine-tuning; data=classification)."""
+    num_choices: int = 0
+    """0: not multiple choice; N >= 2: each example is N (context, choice) sequences, one score each at its
+    last token, softmax over the N (fine-tuning)."""
+
+    @property
+    def fine_tuning_head(self) -> bool:
+        """A classifier or a multiple-choice scorer replaces the language-model head."""
+        return bool(self.num_labels or self.num_choices)
 
 
 class GPT(nn.Module):
@@ -51,6 +62,15 @@ class GPT(nn.Module):
         self.norm: Optional[nn.Module] = build_norm(cfg)
         self.head: Optional[nn.Linear] = nn.Linear(h, V, bias=False)
         self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
+        self.score: Optional[nn.Linear] = None
+        self.metric_names: Tuple[str, ...] = ()
+        """What `loss_and_metrics` reports beside the loss (the trainer logs them)."""
+        self.new_heads: Tuple[str, ...] = ()
+        """Modules a fine-tuning start initialises afresh: a pretrained checkpoint does not hold them."""
+        if getattr(cfg, "fine_tuning_head", False):  # the score head at the last real token replaces the LM head
+            self.head = self.criterion = None
+            self.score = nn.Linear(h, cfg.num_labels or 1, bias=False)
+            self.metric_names, self.new_heads = (() if cfg.num_labels == 1 else ("acc",)), ("score",)
         self.tie_weights()
         self._rope: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -71,7 +91,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, *packed: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
                 start: int = 0, part: Optional[Part] = None):
-        """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss.
+        """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss. With a
+        fine-tuning head, the score head's (B, T, num_labels or 1) at every position (`predictions`
+        reads the last real token's); multiple choice takes tokens (B, C, T).
 
         `packed` = (position_ids, segment_ids), each (B, T), for sequences of several packed
         examples: positions restart and attention stays inside each example (segment), as
@@ -84,6 +106,8 @@ class GPT(nn.Module):
             raise TypeError(f"GPT.forward got {len(packed) + 1} positional inputs: after tokens it takes "
                             "(position_ids, segment_ids) of packed examples; pass labels and loss_mask by keyword")
         first, last = part is None or part.first, part is None or part.last
+        if first and self.cfg.num_choices:
+            tokens, = fold_choices((tokens,), self.cfg.num_choices)
         positions, segments = packed if packed else (None, None)
         x = self.embed(tokens, start, positions) if first else tokens  # (B, T, h), or a sequence shard under SP
         rope = self.rope(max(self.cfg.seq_length, start + (tokens.shape[1] if first else 0)), x.device)
@@ -93,6 +117,8 @@ class GPT(nn.Module):
             x = block(x, rope, cache, start, mask, positions) if packed else block(x, rope, cache, start)
         if not last:
             return (x, *packed) if packed else x
+        if self.score is not None:
+            return self.score(self.norm(x))
         logits = self.head(self.norm(x))  # (B, T, V), or this rank's vocabulary shard under TP
         if labels is None:
             return logits
@@ -100,7 +126,20 @@ class GPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
         """The training loss of the last stage's output on a batch (megalm.data.gpt_batch's keys)."""
+        if self.score is not None:
+            return self.loss_and_metrics(logits, batch)[0]
         return self.criterion(logits, batch["labels"], batch.get("loss_mask"))
+
+    def loss_and_metrics(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]):
+        """A fine-tuning head's loss (cross-entropy, or MSE for a regression) and accuracy."""
+        return classification_loss(self.predictions(output, batch), batch["label"], regression=self.cfg.num_labels == 1)
+
+    def predictions(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The score head's output at each sequence's last real token (batch["last"]): (B, num_labels),
+        or (B, C) scores of multiple choice."""
+        last = batch["last"].reshape(-1)
+        scores = output[torch.arange(len(last), device=output.device), last]
+        return scores.view(-1, self.cfg.num_choices) if self.cfg.num_choices else scores
 
 
 def packed_attention_mask(segments: torch.Tensor) -> torch.Tensor:
@@ -108,6 +147,19 @@ def packed_attention_mask(segments: torch.Tensor) -> torch.Tensor:
     T = segments.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
     return (segments[:, :, None] == segments[:, None, :])[:, None] & causal
+
+
+def flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float:
+    """megalm.models.flops's definition; a fine-tuning head's h x (num_labels or 1) score in place of the LM head."""
+    if getattr(cfg, "fine_tuning_head", False):
+        return transformer_flops(cfg, seq_length) - 6.0 * cfg.hidden_size * (cfg.padded_vocab_size - (cfg.num_labels or 1))
+    return transformer_flops(cfg, seq_length)
+
+
+def samples(cfg: ModelConfig):
+    """GPT's samples: packed token sequences, or classification examples (megalm.data.loader.GPTSamples)."""
+    from megalm.data.loader import GPTSamples
+    return GPTSamples(cfg)
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
@@ -121,12 +173,14 @@ def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
     arXiv:2205.05198): in each block the fused QKV and the MLP's first linear are column-parallel
     (whole heads, a slice of the ffn), the attention output and the second linear row-parallel;
     the embedding, head and loss are vocabulary-parallel."""
-    from megalm.parallel.tp_plan import (ColumnParallel, RowParallel, ScatterSequence, SequenceParallelParams,
+    from megalm.parallel.tp_plan import (ColumnParallel, GatherSequence, RowParallel, ScatterSequence, SequenceParallelParams,
                                          TPRandom, VocabParallel, VocabParallelLoss)
     rows = cfg.padded_vocab(tp)
     q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
     learned_pos = cfg.position_embedding == "learned"
     plan: List[Tuple[str, object]] = []
+    if sp and getattr(cfg, "fine_tuning_head", False):
+        plan += [("score", GatherSequence())]  # it reads each sequence's last real token: the whole sequence
     if sp and not learned_pos:
         # No position table to add after the lookup: reduce-scatter the partial sums straight
         # into sequence shards (half the bytes of an all-reduce) and drop out on the shard.
@@ -151,15 +205,16 @@ def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
 
 def validate(cfg, world_size: int) -> None:
     m = cfg.model
-    if cfg.data.source == "classification":
-        raise ConfigError("data.source=classification fine-tunes BERT's classifier (model=bert_*); GPT has no "
-                          "classification head yet: fine-tune it with data=sft, or score it with megalm.evaluate choice")
+    if cfg.data.source == "qa":
+        raise ConfigError("data.source=qa trains BERT's span head (model=bert_* model.span_head=true); fine-tune GPT "
+                          "for question answering with data=sft")
     if m.head_dim % 2 and m.position_embedding == "rope":
         raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
 
 
 FAMILY = Family(
     name="gpt", config=GPTConfig, build=GPT, init_weights=init_weights, validate=validate, flops_per_token=flops_per_token, tp_plan=tp_plan,
-    parts=Parts(layers="blocks", first=("embed",), last=("norm", "head", "criterion"), selective=("attn.core",)),
+    parts=Parts(layers="blocks", first=("embed",), last=("norm", "head", "criterion", "score"), selective=("attn.core",)),
+    samples=samples,
     hf="megalm.models.gpt_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),),
     optional_inputs=("position_ids", "segment_ids"))

@@ -55,3 +55,31 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torc
             vocab_size: Optional[int] = None) -> torch.Tensor:
     """Functional form of LMLoss (vocab_size None = no padding)."""
     return LMLoss(vocab_size or logits.shape[-1])(logits, labels, loss_mask)
+
+
+def classification_loss(logits: torch.Tensor, label: torch.Tensor, regression: bool
+                        ) -> "tuple[torch.Tensor, torch.Tensor]":
+    """A fine-tuning head's loss and metrics (detached): cross-entropy over the classes (or the
+    choices) with the accuracy, or for a regression (logits (B, 1), labels float) the mean squared
+    error and no metric."""
+    if regression:
+        loss = F.mse_loss(logits.float()[:, 0], label.float())
+        return loss, torch.zeros(0, device=loss.device)
+    loss = F.cross_entropy(logits.float(), label.long())
+    return loss, (logits.argmax(-1) == label).float().mean().detach()[None]
+
+
+def fold_choices(tensors, num_choices: int):
+    """Multiple choice: (B, C, ...) inputs -> (B * C, ...), each choice scored as one sequence; others unchanged."""
+    return tuple(t.flatten(0, 1) if num_choices and t.dim() >= 3 else t for t in tensors)
+
+
+def span_loss(logits: torch.Tensor, start: torch.Tensor, end: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Extractive QA: logits (B, T, 2) of each token starting / ending the answer; the mean of the
+    start and end cross-entropies over the sequence, and the fractions of starts and ends predicted right."""
+    start_logits, end_logits = logits.float().unbind(-1)
+    loss = (F.cross_entropy(start_logits, start.long()) + F.cross_entropy(end_logits, end.long())) / 2
+    with torch.no_grad():
+        metrics = torch.stack([(start_logits.argmax(-1) == start).float().mean(),
+                               (end_logits.argmax(-1) == end).float().mean()])
+    return loss, metrics
