@@ -415,3 +415,18 @@ def test_race_fills_the_blank_or_appends_the_option(tmp_path):
                                                       "Tom has a hen .")),
                    Example("Tom has a cat.", None, 1, ("What pet? cat", "What pet? dog", "What pet? cow",
                                                       "What pet? hen"))]
+
+
+def test_evaluate_classify_at_tp2_and_pp2(runs, choices, sentiment):
+    """The classify task at --tp 2 and --pp 2 predicts as the single process does."""
+    from megalm.evaluate import evaluate
+    from megalm.evaluate.layout import on_ranks
+    from test_evaluate_layouts import LAYOUTS, _bundle, _same
+    root, _ = runs
+    jobs = [(root / "gpt_labels" / "single", "classify", sentiment[1], {}),
+            (root / "bert_choice" / "single", "classify", choices[1], {}),
+            (root / "bert_labels" / "single", "classify", sentiment[1], {})]
+    singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
+    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+        for job, single, got in zip(jobs, singles, results):
+            _same(single, got, (job[0].parent.name, layout))

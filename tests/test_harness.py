@@ -62,7 +62,8 @@ def test_generate_until_stops_at_the_stop_strings(run):
     assert cut == free[:free.index(stop)]
 
 
-def test_a_local_harness_task_runs_offline_and_agrees_with_megalm_choice(run, tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_local_harness_task_runs_offline_and_agrees_with_megalm_choice(run, tmp_path, tp):
     from megalm.evaluate import evaluate
     from megalm.evaluate.harness import run_harness
     run_dir, _, _ = run
@@ -75,7 +76,43 @@ def test_a_local_harness_task_runs_offline_and_agrees_with_megalm_choice(run, tm
         f"    test: {data}\ntest_split: test\noutput_type: multiple_choice\ntarget_delimiter: ''\n"
         "doc_to_text: '{{context}}'\ndoc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n"
         "metric_list:\n  - metric: acc\n")
-    results = run_harness(run_dir, ["megalm_local_mc"], include_path=str(tasks))
+    results = run_harness(run_dir, ["megalm_local_mc"], include_path=str(tasks), tp=tp)
     acc = results["results"]["megalm_local_mc"]["acc,none"]
     assert acc == evaluate(run_dir, "choice", data, write=False)["accuracy"]
-    assert json.loads((run_dir / "eval" / "harness.json").read_text())["results"]["megalm_local_mc"]["acc,none"] == acc
+    written = json.loads((run_dir / "eval" / "harness.json").read_text())
+    assert written["results"]["megalm_local_mc"]["acc,none"] == acc and written["tp"] == tp
+
+
+PAIRS = [("import os\nimport", " sys"), ("The quick brown ", "fox"), ("x = 1\n" * 20, " y")]
+
+
+def _requests_at_layouts(run_dir):
+    """On each rank: the harness's three request kinds at tp2 and at pp2."""
+    from megalm.evaluate.harness import MegalmLM
+    from test_evaluate_layouts import LAYOUTS
+    out = []
+    for tp, pp in LAYOUTS:
+        lm = MegalmLM(str(run_dir), batch_size=2, tp=tp, pp=pp)
+        out.append((lm.loglikelihood(_instances("loglikelihood", PAIRS)),
+                    lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(TEXT,)])),
+                    lm.generate_until(_instances("generate_until", [("def f(", {"until": ["\n\n"], "max_gen_toks": 8})]))))
+    return out
+
+
+def test_requests_at_tp2_and_pp2_equal_the_single_process(run, tmp_path):
+    from megalm.evaluate.harness import MegalmLM, run_harness
+    from megalm.evaluate.layout import on_ranks
+    from megalm.errors import ConfigError
+    run_dir, _, _ = run
+    lm = MegalmLM(str(run_dir), batch_size=2)
+    want = (lm.loglikelihood(_instances("loglikelihood", PAIRS)),
+            lm.loglikelihood_rolling(_instances("loglikelihood_rolling", [(TEXT,)])),
+            lm.generate_until(_instances("generate_until", [("def f(", {"until": ["\n\n"], "max_gen_toks": 8})])))
+    for ll, rolling, generated in on_ranks(2, "cpu", _requests_at_layouts, run_dir):
+        assert [g for _, g in ll] == [g for _, g in want[0]]
+        assert [lp for lp, _ in ll] == pytest.approx([lp for lp, _ in want[0]], rel=1e-5)
+        assert rolling == pytest.approx(want[1], rel=1e-5) and generated == want[2]
+    with pytest.raises(ConfigError, match=r"tp=2 x pp=1 runs the model over 2 ranks"):
+        MegalmLM(str(run_dir), tp=2)
+    with pytest.raises(ConfigError, match=r"--tp 3 must divide the model's 4 attention heads"):
+        run_harness(run_dir, ["x"], tp=3)

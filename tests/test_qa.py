@@ -203,3 +203,16 @@ def test_fine_tuned_runs_do_not_export_as_language_models(runs, tmp_path):
     root, _ = runs
     with pytest.raises(ConfigError, match="fine-tuned classifier, multiple-choice or QA run"):
         export_to_hf(root / "single", tmp_path / "hf")
+
+
+def test_evaluate_squad_at_tp2_and_pp2(runs, squad_files):
+    from megalm.evaluate import evaluate
+    from megalm.evaluate.layout import on_ranks
+    from test_evaluate_layouts import LAYOUTS, _bundle, _same
+    root, _ = runs
+    jobs = [(root / "single", "squad", squad_files[index], {}) for index in (1, 2)]
+    singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
+    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+        for single, got in zip(singles, results):
+            _same(single, got, layout)
+            assert got["questions"] == single["questions"] and got["windows"] == single["windows"]

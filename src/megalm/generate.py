@@ -77,6 +77,7 @@ def generate_ids(model, prompt: List[int], *, max_new_tokens: int, temperature: 
     """Yield new token ids one at a time (stops at eod, max_new_tokens or the model's context)."""
     from megalm.models import KVCache
     cfg = model.cfg
+    use_cache = use_cache and getattr(model, "supports_cache", True)  # a model at a tp/pp layout keeps none
     device = next(model.parameters()).device
     model.eval()
     g = torch.Generator(device=device).manual_seed(seed)

@@ -26,13 +26,15 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
 Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (perplexity
 adds _stride<N>; code and
 generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
-process at the run's single-process layout (checkpoints load at any layout).
+process, or with --tp / --pp at that tensor- and pipeline-parallel layout over tp x pp ranks
+(layout.py; checkpoints load at any layout, whatever the run trained at).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -46,13 +48,27 @@ TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify", "squad
 __all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", "windows"]
 
 
-def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, strict: bool = True,
+def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, device: str = "cpu",
+             **options: Any) -> Dict[str, Any]:
+    """Run one task on the run's latest checkpoint; return (and, on rank 0, write) its results. With
+    tp x pp > 1 the model runs at that layout over as many ranks (megalm.evaluate.layout): this
+    process's launcher's, or ranks started here. `options`: _evaluate's keywords."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp {tp} and --pp {pp} must be at least 1")
+    if tp * pp > 1:
+        from megalm.evaluate.layout import check_layout, on_ranks
+        check_layout(Path(run_dir), tp, pp)  # before any rank starts
+        return on_ranks(tp * pp, device, _evaluate, run_dir, task, data, tp=tp, pp=pp, device=device, **options)
+    return _evaluate(run_dir, task, data, device=device, **options)
+
+
+def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, stride: Optional[int] = None, strict: bool = True,
              normalize: str = "none", batch_size: int = 8, device: str = "cpu", samples: int = 1,
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
              stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
              n_best: int = 20, max_answer_length: int = 30, null_threshold: float = 0.0, write: bool = True) -> Dict[str, Any]:
-    """Run one task on the run's latest checkpoint; return (and write) its results."""
     from megalm.evaluate import generation
+    from megalm.evaluate.layout import is_rank0, load_at_layout
     from megalm.generate import load_for_generation
     if task not in TASKS:
         raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
@@ -63,11 +79,16 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
     if not data.is_file():
         raise MissingFileError(f"--data {data} does not exist")
     run_dir = Path(run_dir)
-    cfg, model, tok, state = load_for_generation(run_dir, device)
+    if tp * pp > 1:
+        cfg, model, tok, state = load_at_layout(run_dir, tp, pp, device)
+    else:
+        cfg, model, tok, state = load_for_generation(run_dir, device)
+    write = write and is_rank0()
     if task == "classify":
         from megalm.evaluate.classify import classify
         start = time.perf_counter()
-        return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write)
+        return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write,
+                       tp, pp)
     if task == "squad":
         from megalm.evaluate.squad import squad
         start = time.perf_counter()
@@ -76,7 +97,7 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
             details.parent.mkdir(exist_ok=True)
         metrics = squad(cfg, model, tok, data, batch_size, n_best=n_best, max_answer_length=max_answer_length,
                         null_threshold=null_threshold, details=details)
-        return _finish(run_dir, task, data, cfg, state, metrics, start, write)
+        return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp)
     if getattr(cfg.model, "fine_tuning_head", False):
         raise ConfigError(f"{run_dir} is a fine-tuned classifier (no language-model head): score it with the "
                           "classify task")
@@ -105,13 +126,13 @@ def evaluate(run_dir: Path, task: str, data, *, stride: Optional[int] = None, st
                                   timeout_s=timeout_s, seed=seed, details=details, skip_long=skip_long, **gen)
     else:
         metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
-    return _finish(run_dir, task, data, cfg, state, metrics, start, write)
+    return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp)
 
 
 def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str, Any], start: float,
-            write: bool) -> Dict[str, Any]:
+            write: bool, tp: int = 1, pp: int = 1) -> Dict[str, Any]:
     results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
-               "step": state["step"], **metrics, "seconds": round(time.perf_counter() - start, 3)}
+               "step": state["step"], "tp": tp, "pp": pp, **metrics, "seconds": round(time.perf_counter() - start, 3)}
     if write:
         stride = f"_stride{metrics['stride']}" if task == "perplexity" else ""  # one file per window setting
         out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}{stride}.json"
@@ -162,16 +183,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--null-threshold", type=float, default=0.0,
                     help="squad v2.0: answer nothing when the no-answer score beats the best span's by more "
                          "(default 0)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model runs over (default 1)")
+    ap.add_argument("--pp", type=int, default=1,
+                    help="pipeline stages the model runs over (default 1); tp x pp ranks start here, or under "
+                         "torchrun as many as it starts")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
         from megalm.generate import _resolve_device
-        results = evaluate(args.run_dir, args.task, args.data, stride=args.stride, strict=not args.non_strict,
+        results = evaluate(args.run_dir, args.task, args.data, tp=args.tp, pp=args.pp, stride=args.stride, strict=not args.non_strict,
                            normalize=args.normalize, batch_size=args.batch_size, device=_resolve_device(args.device),
                            samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens,
                            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop],
                            timeout_s=args.timeout, seed=args.seed, skip_long=args.skip_long, n_best=args.n_best,
                            max_answer_length=args.max_answer_length, null_threshold=args.null_threshold)
-        print(format_table(results))
+        if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the results
+            print(format_table(results))

@@ -1,6 +1,6 @@
 """megalm as an lm-evaluation-harness model: any harness task on a megalm run directory.
 
-    python -m megalm.evaluate.harness RUN_DIR --tasks lambada_openai,hellaswag [--include-path DIR]
+    python -m megalm.evaluate.harness RUN_DIR --tasks lambada_openai,hellaswag [--include-path DIR] [--tp 2 --pp 2]
 
 or from Python, `lm_eval.simple_evaluate(model="megalm", model_args={"run_dir": RUN_DIR}, ...)` once
 this module is imported (it registers the name). Needs the `megalm[harness]` extra (lm_eval); the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -37,15 +38,29 @@ PROG = "megalm.evaluate.harness"
 
 @register_model("megalm")
 class MegalmLM(LM):
-    """A megalm run directory's latest checkpoint, in this process. The harness also hands over
+    """A megalm run directory's latest checkpoint, in this process, or with tp / pp at that layout
+    over the ranks of this process group (megalm.evaluate.layout; every rank scores every request,
+    so the harness's own rank and world size stay 0 and 1). The harness also hands over
     `max_batch_size`, which a fixed batch size does not need."""
 
-    def __init__(self, run_dir: str, device: str = "cpu", batch_size: Any = 8, max_batch_size: Any = None) -> None:
+    def __init__(self, run_dir: str, device: str = "cpu", batch_size: Any = 8, max_batch_size: Any = None,
+                 tp: Any = 1, pp: Any = 1) -> None:
         super().__init__()
-        if not str(batch_size).isdigit() or int(batch_size) < 1:
-            raise ConfigError(f"batch_size={batch_size!r}: megalm takes a whole number of sequences per forward (>= 1)")
-        from megalm.generate import load_for_generation
-        self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
+        for name, value in (("batch_size", batch_size), ("tp", tp), ("pp", pp)):
+            if not str(value).isdigit() or int(value) < 1:
+                raise ConfigError(f"{name}={value!r}: megalm takes a whole number (>= 1)")
+        tp, pp = int(tp), int(pp)
+        if tp * pp > 1:
+            import torch.distributed as dist
+            from megalm.evaluate.layout import load_at_layout
+            if not dist.is_initialized():
+                raise ConfigError(f"tp={tp} x pp={pp} runs the model over {tp * pp} ranks: start "
+                                  f"python -m {PROG} --tp {tp} --pp {pp}, or the harness under torchrun "
+                                  f"--nproc-per-node {tp * pp} with this process group initialised")
+            self.cfg, self.model, self.tokenizer, self.state = load_at_layout(Path(run_dir), tp, pp, device)
+        else:
+            from megalm.generate import load_for_generation
+            self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
         if self.cfg.model.arch != "gpt":
             raise ConfigError(f"the harness scores decoder models (model.arch=gpt); {run_dir} is "
                               f"model.arch={self.cfg.model.arch}")
@@ -111,25 +126,47 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--num-fewshot", type=int, default=None, help="few-shot examples (default: the task's)")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model runs over (default 1)")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages the model runs over (default 1)")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
         results = run_harness(args.run_dir, args.tasks.split(","), include_path=args.include_path, limit=args.limit,
-                              num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device)
-        print(json.dumps(results, indent=1, default=str))
+                              num_fewshot=args.num_fewshot, batch_size=args.batch_size, device=args.device,
+                              tp=args.tp, pp=args.pp)
+        if results is not None and int(os.environ.get("RANK", "0")) == 0:
+            print(json.dumps(results, indent=1, default=str))
 
 
 def run_harness(run_dir: Path, tasks: List[str], *, include_path: Optional[str] = None, limit=None,
-                num_fewshot: Optional[int] = None, batch_size: int = 8, device: str = "cpu") -> Dict[str, Any]:
-    """lm_eval.simple_evaluate on the run; the per-task metrics, also written to RUN_DIR/eval/harness.json."""
+                num_fewshot: Optional[int] = None, batch_size: int = 8, device: str = "cpu", tp: int = 1,
+                pp: int = 1) -> Dict[str, Any]:
+    """lm_eval.simple_evaluate on the run (at tp x pp over as many ranks: this process's launcher's, or
+    ranks started here); the per-task metrics, also written (by rank 0) to RUN_DIR/eval/harness.json."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"--tp {tp} and --pp {pp} must be at least 1")
+    if tp * pp > 1:
+        from megalm.evaluate.layout import check_layout, on_ranks
+        check_layout(Path(run_dir), tp, pp)
+        return on_ranks(tp * pp, device, _run_harness, run_dir, tasks, include_path, limit, num_fewshot, batch_size,
+                        device, tp, pp)
+    return _run_harness(run_dir, tasks, include_path, limit, num_fewshot, batch_size, device, tp, pp)
+
+
+def _run_harness(run_dir, tasks, include_path, limit, num_fewshot, batch_size, device, tp,
+                 pp) -> Optional[Dict[str, Any]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
-    model = MegalmLM(str(run_dir), device=device, batch_size=batch_size)
+    from megalm.evaluate.layout import is_rank0
+    model = MegalmLM(str(run_dir), device=device, batch_size=batch_size, tp=tp, pp=pp)
     out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                                   task_manager=TaskManager(include_path=include_path), log_samples=False)
-    results = {"run": str(run_dir), "step": model.state["step"], "results": out["results"]}
-    path = Path(run_dir) / "eval" / "harness.json"
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, default=str) + "\n")
+    if out is None:  # the harness returns its results on the first rank only (LOCAL_RANK 0, under a launcher)
+        return None
+    results = {"run": str(run_dir), "step": model.state["step"], "tp": tp, "pp": pp, "results": out["results"]}
+    if is_rank0():
+        path = Path(run_dir) / "eval" / "harness.json"
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(json.dumps(results, indent=1, default=str) + "\n")
     return results
 
 

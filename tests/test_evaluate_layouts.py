@@ -1,0 +1,73 @@
+"""megalm.evaluate at tensor- and pipeline-parallel layouts (--tp / --pp) gives the single
+process's numbers: likelihood tasks within fp32 rounding, and the same greedy completions,
+classifications and answers. The ranks start from `evaluate` itself, as the CLI starts them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megalm.errors import ConfigError
+
+LAYOUTS = [(2, 1), (1, 2)]
+NUMERIC = ("loss", "perplexity", "adjusted_perplexity", "accuracy", "accuracy_norm", "exact_match", "bleu", "chrf",
+           "f1", "mcc", "pearson", "spearman")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_layout_data")
+    text = root / "text.txt"
+    text.write_text("def add(a, b):\n    return a + b\n\n\nclass Point:\n    x = 0\n    y = 0\n" * 3)
+    choice = root / "choice.jsonl"
+    choice.write_text("".join(json.dumps({"context": "import os\nimport ", "choices": ["sys", "zzqq", "os.path"],
+                                          "label": 0}) + "\n" for _ in range(2)))
+    gen = root / "gen.jsonl"
+    gen.write_text("".join(json.dumps({"prompt": p, "reference": "x"}) + "\n" for p in ("def f(", "import ")))
+    return {"perplexity": text, "choice": choice, "generate": gen}
+
+
+def _same(single, layout, where):
+    for key in NUMERIC:
+        if key in single:
+            assert layout[key] == pytest.approx(single[key], rel=1e-5), (where, key)
+
+
+def _bundle(jobs):
+    """Each (run, task, data, options) at every layout, on the same two ranks of one group."""
+    from megalm.evaluate import _evaluate
+    out = []
+    for tp, pp in LAYOUTS:
+        out.append([_evaluate(run, task, data, tp=tp, pp=pp, write=False, **options)
+                    for run, task, data, options in jobs])
+    return out
+
+
+def test_likelihood_and_generation_at_tp2_and_pp2(run, files):
+    from megalm.evaluate import evaluate
+    from megalm.evaluate.layout import on_ranks
+    run_dir = run[0]
+    jobs = [(run_dir, "perplexity", files["perplexity"], {"stride": 16}),
+            (run_dir, "choice", files["choice"], {"normalize": "tokens"}),
+            (run_dir, "generate", files["generate"], {"max_new_tokens": 6})]
+    singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
+    for (tp, pp), results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+        for (_, task, _, _), single, layout in zip(jobs, singles, results):
+            assert (layout["tp"], layout["pp"]) == (tp, pp)
+            _same(single, layout, (task, tp, pp))
+
+
+def test_evaluate_starts_its_ranks_and_writes_once(run, files, tmp_path):
+    """The public entry: --tp 2 starts two ranks here; the results file is rank 0's."""
+    import shutil
+    from megalm.evaluate import evaluate
+    run_dir = tmp_path / "run"
+    shutil.copytree(run[0], run_dir)
+    got = evaluate(run_dir, "perplexity", files["perplexity"], tp=2, stride=16)
+    single = evaluate(run_dir, "perplexity", files["perplexity"], stride=16, write=False)
+    _same(single, got, "perplexity")
+    written = json.loads((run_dir / "eval" / "perplexity_text_stride16.json").read_text())
+    assert written["tp"] == 2 and written["loss"] == got["loss"]
+    with pytest.raises(ConfigError, match=r"--pp 8 is more stages than the model's 2 layers"):
+        evaluate(run_dir, "perplexity", files["perplexity"], pp=8)
