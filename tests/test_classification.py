@@ -430,3 +430,21 @@ def test_evaluate_classify_at_tp2_and_pp2(runs, choices, sentiment):
     for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
         for job, single, got in zip(jobs, singles, results):
             _same(single, got, (job[0].parent.name, layout))
+
+
+def test_epochs_set_the_steps_from_the_examples(pretrained, sentiment, tmp_path):
+    """trainer.epochs=2 over the training file's examples at global batch 8: ceil(2 x examples / 8) steps."""
+    from megalm.train import run
+    from megalm.validation import validate
+    examples = len(Path(sentiment[0]).read_text().splitlines()) - 1  # the header is not an example
+    base = [o for o in _base(pretrained, sentiment) if not o.startswith("trainer.max_steps")]
+    cfg = load(*base, "trainer.epochs=2", "trainer.max_steps=1")
+    validate(cfg, 1)
+    run(cfg, tmp_path / "run", 1)
+    train, _ = _records(tmp_path / "run")
+    assert len(train) == -(-2 * examples // 8) == 24
+    assert "max_steps: 24" in (tmp_path / "run" / "config.yaml").read_text()
+    for extra, message in ((["trainer.epochs=0"], r"trainer.epochs=0 must be at least 1"),
+                           (["model.num_labels=0", "data=mock"], r"trainer.epochs=2 counts passes over fine-tuning")):
+        with pytest.raises(ConfigError, match=message):
+            validate(load(*base, "trainer.epochs=2", *extra), 1)

@@ -144,6 +144,9 @@ class OptimizerConfig:
 class TrainerConfig:
     max_steps: int = 1000
     """Optimizer steps to train; the LR schedule and the data order are planned for this many."""
+    epochs: Optional[int] = None
+    """Fine-tuning (data.source sft, classification, qa): passes over the training examples, which set
+    max_steps = ceil(epochs x training samples / global_batch_size); None: max_steps decides."""
     exit_interval: Optional[int] = None
     """Save a checkpoint and stop when the step is a multiple of this (a later start resumes); None = never."""
     micro_batch_size: int = 8

@@ -163,6 +163,7 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"data.source={cfg.data.source} reads labelled examples: set data.paths=[train file, ...] "
                           "(and data.valid_paths" + (", data.task)" if cfg.data.source == "classification" else ")"))
     _validate_head(cfg)
+    _validate_epochs(cfg)
     if cfg.data.source == "sft":
         if not cfg.data.paths or cfg.data.blend:
             raise ConfigError("data.source=sft reads JSON-lines files of examples: set data.paths=[train.jsonl, ...] "
@@ -182,6 +183,18 @@ def validate(cfg: Config, world_size: int) -> None:
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)
+
+
+def _validate_epochs(cfg: Config) -> None:
+    epochs = cfg.trainer.epochs
+    if epochs is None:
+        return
+    if epochs < 1:
+        raise ConfigError(f"trainer.epochs={epochs} must be at least 1 (or null: trainer.max_steps decides)")
+    if cfg.data.source not in ("sft", "classification", "qa"):
+        raise ConfigError(f"trainer.epochs={epochs} counts passes over fine-tuning examples (data.source sft, "
+                          f"classification or qa); data.source={cfg.data.source} is sampled for trainer.max_steps "
+                          "steps: set trainer.epochs=null")
 
 
 def _validate_head(cfg: Config) -> None:

@@ -3,6 +3,8 @@
 data.task names the layout of data.paths (training) and data.valid_paths (validation):
 - jsonl: {"text": str, "text_pair": str (optional), "label": int or a name of data.labels, or a
   number for a regression (model.num_labels=1)}
+- fasttext: fastText's lines, "__label__<name> text", each name one of data.labels (megalm.data.sentiment
+  writes the Pang & Lee movie-review sentences that ship with gensim in it)
 - GLUE's TSV files as Megatron's readers take them: mnli (sentence1, sentence2, gold_label; the
   labels contradiction, entailment, neutral), qqp (question1, question2, is_duplicate), sst2
   (sentence, label), cola (no header: source, label, original label, sentence), stsb (sentence1,
@@ -40,7 +42,8 @@ GLUE = {
 }
 CHOICE_TASKS = {"choice": 0, "race": 4}
 """Multiple-choice layouts -> the choices each example has (0: what model.num_choices says)."""
-TASKS = ("jsonl",) + tuple(GLUE) + tuple(CHOICE_TASKS)
+TASKS = ("jsonl", "fasttext") + tuple(GLUE) + tuple(CHOICE_TASKS)
+FASTTEXT_PREFIX = "__label__"
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,10 @@ def task_labels(task: str, labels: Sequence[str]) -> Optional[Tuple[str, ...]]:
         raise ConfigError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
     if task in CHOICE_TASKS:
         return None
-    if task != "jsonl":
+    if task == "fasttext" and not labels:
+        raise ConfigError("data.task=fasttext names its classes in data.labels (e.g. data.labels=[neg,pos] for "
+                          "__label__neg / __label__pos), in label order")
+    if task not in ("jsonl", "fasttext"):
         return GLUE[task][3]
     return tuple(labels) or None
 
@@ -105,6 +111,8 @@ def read_examples(paths: Sequence[str], task: str, labels: Sequence[str], num_la
             out += _read_race(path)
         elif task == "choice":
             out += _read_choice(path, num_choices)
+        elif task == "fasttext":
+            out += _read_fasttext(path, names, num_labels)
         else:
             out += _read_jsonl(path, names, num_labels) if task == "jsonl" else _read_glue(path, task, names, num_labels)
     if not out:
@@ -121,6 +129,19 @@ def _read_jsonl(path: Path, names, num_labels: int) -> List[Example]:
         if pair is not None and not isinstance(pair, str):
             raise DataError(f"{where}: 'text_pair' must be a string")
         out.append(Example(rec["text"], pair, _label(rec["label"], names, num_labels, where)))
+    return out
+
+
+def _read_fasttext(path: Path, names, num_labels: int) -> List[Example]:
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            label, _, text = line.strip().partition(" ")
+            if not label.startswith(FASTTEXT_PREFIX) or not text.strip():
+                raise DataError(f"{path}:{n}: a fastText line is '{FASTTEXT_PREFIX}<name> text'; got {line[:60]!r}")
+            out.append(Example(text.strip(), None, _label(label[len(FASTTEXT_PREFIX):], names, num_labels, f"{path}:{n}")))
     return out
 
 

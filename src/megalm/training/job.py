@@ -54,6 +54,11 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise DataError(f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size="
                         f"{cfg.model.vocab_size}; set model.vocab_size >= {tokenizer.vocab_size}")
+    family = family_of(cfg.model.arch)
+    samples = family.samples(cfg.model) if family.samples is not None else None
+    if t.epochs is not None:
+        cfg = steps_for_epochs(cfg, tokenizer, samples)
+        t = cfg.trainer
     config_yaml = OmegaConf.to_yaml(OmegaConf.structured(cfg))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group() if mesh is not None else None,
                                 config_yaml)
@@ -64,10 +69,9 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
             log.warning("%s", why)
         return start.state.get("val_loss")
 
-    family = family_of(cfg.model.arch)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps),
-                      samples=family.samples(cfg.model) if family.samples is not None else None)
+                      samples=samples)
     model = build_model(cfg.model, device="meta")
     layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
@@ -100,3 +104,20 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     trainer.metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
                                    OmegaConf.to_container(OmegaConf.structured(cfg)), start_step=start.step)
     return trainer.fit()
+
+
+def steps_for_epochs(cfg: Config, tokenizer, samples) -> Config:
+    """cfg with trainer.max_steps = ceil(trainer.epochs x one epoch's training samples / global batch):
+    the fine-tuning data read once to count them (the run then reads it again for its steps)."""
+    import dataclasses
+    import math
+    from megalm.data import build_data
+    t = cfg.trainer
+    one_epoch = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
+                           samples=samples)
+    n = len(one_epoch.train)
+    steps = max(1, math.ceil(t.epochs * n / t.global_batch_size))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info("trainer.epochs=%d over %d training samples at global batch %d: trainer.max_steps=%d", t.epochs, n,
+                 t.global_batch_size, steps)
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(t, max_steps=steps))
