@@ -3,7 +3,7 @@
 The run's own data.task reads the file (GLUE TSV or JSON lines), the model predicts every
 example, and the task's metrics are computed over all of them at once (F1, Matthews correlation
 and rank correlations do not average over batches): accuracy always; F1 of class 1 for the
-two-class GLUE tasks QQP (and any two-class JSON lines), macro F1 with more classes; Matthews
+two-class GLUE tasks QQP (and any two-class JSON lines or fastText file), macro F1 with more classes; Matthews
 correlation for CoLA; for a regression (STS-B) Pearson and Spearman correlations and the mean
 squared error. scikit-learn and scipy compute them (the `megalm[classify]` extra).
 """
@@ -34,11 +34,11 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
         return {"pearson": float(pearsonr(predictions, labels)[0]), "spearman": float(spearmanr(predictions, labels)[0]),
                 "mse": float(np.mean((predictions - labels) ** 2))}
     out = {"accuracy": float(np.mean(predictions == labels))}
-    if num_labels == 2 and task in ("qqp", "jsonl"):
+    if num_labels == 2 and task in ("qqp", "jsonl", "fasttext"):
         out["f1"] = float(f1_score(labels, predictions, pos_label=1, average="binary"))
     elif num_labels > 2:
         out["macro_f1"] = float(f1_score(labels, predictions, average="macro", labels=list(range(num_labels))))
-    if task in ("cola", "jsonl"):
+    if task in ("cola", "jsonl", "fasttext"):
         out["mcc"] = float(matthews_corrcoef(labels, predictions))
     return out
 

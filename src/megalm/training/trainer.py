@@ -222,13 +222,16 @@ class Trainer:
         if self.cfg.eval_steps == 0:
             return
         self.val_loss = self.evaluate()
-        record = {"step": self.step, "val_loss": self.val_loss, "val_ppl": math.exp(min(self.val_loss, 50.0)),
-                  **self.val_metrics}
+        record = {"step": self.step, "val_loss": self.val_loss}
+        if not getattr(self.model.cfg, "fine_tuning_head", False):  # a language model's loss: its perplexity too
+            record["val_ppl"] = math.exp(min(self.val_loss, 50.0))
+        record.update(self.val_metrics)
         self.metrics.write(record)
         if self.is_rank0:
-            extra = "".join(f", {k[4:]} {v:.4f}" for k, v in self.val_metrics.items())
-            log.info("step %d: validation loss %.4f (perplexity %.1f%s)", self.step, self.val_loss, record["val_ppl"],
-                     extra)
+            shown = [f"perplexity {record['val_ppl']:.1f}"] if "val_ppl" in record else []
+            shown += [f"{k[4:]} {v:.4f}" for k, v in self.val_metrics.items()]
+            log.info("step %d: validation loss %.4f%s", self.step, self.val_loss,
+                     f" ({', '.join(shown)})" if shown else "")
 
     # -- the loop --------------------------------------------------------------------------------
     def _peak_memory(self) -> Dict[str, Any]:
