@@ -417,8 +417,8 @@ def test_race_fills_the_blank_or_appends_the_option(tmp_path):
                                                       "What pet? hen"))]
 
 
-def test_evaluate_classify_at_tp2_and_pp2(runs, choices, sentiment):
-    """The classify task at --tp 2 and --pp 2 predicts as the single process does."""
+def test_evaluate_classify_at_tp2_pp2_and_dp2(runs, choices, sentiment):
+    """The classify task at --tp 2, --pp 2 and --dp 2 predicts as the single process does."""
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
     from test_evaluate_layouts import LAYOUTS, _bundle, _same

@@ -1,6 +1,7 @@
-"""megalm.evaluate at tensor- and pipeline-parallel layouts (--tp / --pp) gives the single
-process's numbers: likelihood tasks within fp32 rounding, and the same greedy completions,
-classifications and answers. The ranks start from `evaluate` itself, as the CLI starts them."""
+"""megalm.evaluate at tensor-parallel, pipeline and data-parallel layouts (--tp / --pp / --dp)
+gives the single process's numbers: likelihood tasks within fp32 rounding, and the same greedy
+completions, classifications and answers. The ranks start from `evaluate` itself, as the CLI
+starts them."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 
 from megalm.errors import ConfigError
 
-LAYOUTS = [(2, 1), (1, 2)]
-NUMERIC = ("loss", "perplexity", "adjusted_perplexity", "accuracy", "accuracy_norm", "exact_match", "bleu", "chrf",
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, dp) on two ranks
+NUMERIC = ("loss", "nll", "ppl", "adjusted_ppl", "accuracy", "accuracy_norm", "exact_match", "bleu", "chrf",
            "f1", "mcc", "pearson", "spearman")
 
 
@@ -38,24 +39,24 @@ def _bundle(jobs):
     """Each (run, task, data, options) at every layout, on the same two ranks of one group."""
     from megalm.evaluate import _evaluate
     out = []
-    for tp, pp in LAYOUTS:
-        out.append([_evaluate(run, task, data, tp=tp, pp=pp, write=False, **options)
+    for tp, pp, dp in LAYOUTS:
+        out.append([_evaluate(run, task, data, tp=tp, pp=pp, dp=dp, write=False, **options)
                     for run, task, data, options in jobs])
     return out
 
 
-def test_likelihood_and_generation_at_tp2_and_pp2(run, files):
+def test_likelihood_and_generation_at_tp2_pp2_and_dp2(run, files):
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
     run_dir = run[0]
-    jobs = [(run_dir, "perplexity", files["perplexity"], {"stride": 16}),
+    jobs = [(run_dir, "perplexity", files["perplexity"], {"stride": 16, "batch_size": 2}),
             (run_dir, "choice", files["choice"], {"normalize": "tokens"}),
             (run_dir, "generate", files["generate"], {"max_new_tokens": 6})]
     singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
-    for (tp, pp), results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+    for (tp, pp, dp), results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
         for (_, task, _, _), single, layout in zip(jobs, singles, results):
-            assert (layout["tp"], layout["pp"]) == (tp, pp)
-            _same(single, layout, (task, tp, pp))
+            assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, dp)
+            _same(single, layout, (task, tp, pp, dp))
 
 
 def test_evaluate_starts_its_ranks_and_writes_once(run, files, tmp_path):
@@ -71,3 +72,25 @@ def test_evaluate_starts_its_ranks_and_writes_once(run, files, tmp_path):
     assert written["tp"] == 2 and written["loss"] == got["loss"]
     with pytest.raises(ConfigError, match=r"--pp 8 is more stages than the model's 2 layers"):
         evaluate(run_dir, "perplexity", files["perplexity"], pp=8)
+
+
+def _shares():
+    """On each of two ranks: what across_replicas hands this replica, and the gathered results."""
+    import torch.distributed as dist
+    from types import SimpleNamespace
+    from megalm.evaluate.layout import across_replicas
+    seen = []
+    model = SimpleNamespace(dp_group=dist.group.WORLD)
+    out = across_replicas(model, lambda part: seen.extend(part) or [x * 10 for x in part], range(5))
+    return dist.get_rank(), seen, out
+
+
+def test_replicas_take_contiguous_shares_and_all_get_every_result():
+    from distributed import run_ranks
+    results = run_ranks(2, _shares_on_rank)
+    assert [seen for _, seen, _ in results] == [[0, 1], [2, 3, 4]]
+    assert all(out == [0, 10, 20, 30, 40] for _, _, out in results)
+
+
+def _shares_on_rank(rank, world):
+    return _shares()

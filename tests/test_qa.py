@@ -205,7 +205,7 @@ def test_fine_tuned_runs_do_not_export_as_language_models(runs, tmp_path):
         export_to_hf(root / "single", tmp_path / "hf")
 
 
-def test_evaluate_squad_at_tp2_and_pp2(runs, squad_files):
+def test_evaluate_squad_at_tp2_pp2_and_dp2(runs, squad_files):
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
     from test_evaluate_layouts import LAYOUTS, _bundle, _same

@@ -26,8 +26,8 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
 Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (perplexity
 adds _stride<N>; code and
 generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
-process, or with --tp / --pp at that tensor- and pipeline-parallel layout over tp x pp ranks
-(layout.py; checkpoints load at any layout, whatever the run trained at).
+process, or with --tp / --pp / --dp at that layout over tp x pp x dp ranks, the dp replicas dividing
+the examples (layout.py; checkpoints load at any layout, whatever the run trained at).
 """
 
 from __future__ import annotations
@@ -48,21 +48,23 @@ TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify", "squad
 __all__ = ["TASKS", "Scorer", "cloze_rows", "evaluate", "format_table", "main", "windows"]
 
 
-def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, device: str = "cpu",
+def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: int = 1, device: str = "cpu",
              **options: Any) -> Dict[str, Any]:
     """Run one task on the run's latest checkpoint; return (and, on rank 0, write) its results. With
-    tp x pp > 1 the model runs at that layout over as many ranks (megalm.evaluate.layout): this
-    process's launcher's, or ranks started here. `options`: _evaluate's keywords."""
-    if tp < 1 or pp < 1:
-        raise ConfigError(f"--tp {tp} and --pp {pp} must be at least 1")
-    if tp * pp > 1:
+    tp x pp x dp > 1 the model runs at that layout over as many ranks (megalm.evaluate.layout): this
+    process's launcher's, or ranks started here; dp replicas take a share of the items each.
+    `options`: _evaluate's keywords."""
+    if tp < 1 or pp < 1 or dp < 1:
+        raise ConfigError(f"--tp {tp}, --pp {pp} and --dp {dp} must be at least 1")
+    if tp * pp * dp > 1:
         from megalm.evaluate.layout import check_layout, on_ranks
         check_layout(Path(run_dir), tp, pp)  # before any rank starts
-        return on_ranks(tp * pp, device, _evaluate, run_dir, task, data, tp=tp, pp=pp, device=device, **options)
+        return on_ranks(tp * pp * dp, device, _evaluate, run_dir, task, data, tp=tp, pp=pp, dp=dp, device=device,
+                        **options)
     return _evaluate(run_dir, task, data, device=device, **options)
 
 
-def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, stride: Optional[int] = None, strict: bool = True,
+def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: int = 1, stride: Optional[int] = None, strict: bool = True,
              normalize: str = "none", batch_size: int = 8, device: str = "cpu", samples: int = 1,
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
              stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
@@ -79,8 +81,8 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, strid
     if not data.is_file():
         raise MissingFileError(f"--data {data} does not exist")
     run_dir = Path(run_dir)
-    if tp * pp > 1:
-        cfg, model, tok, state = load_at_layout(run_dir, tp, pp, device)
+    if tp * pp * dp > 1:
+        cfg, model, tok, state = load_at_layout(run_dir, tp, pp, device, dp)
     else:
         cfg, model, tok, state = load_for_generation(run_dir, device)
     write = write and is_rank0()
@@ -88,7 +90,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, strid
         from megalm.evaluate.classify import classify
         start = time.perf_counter()
         return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write,
-                       tp, pp)
+                       tp, pp, dp)
     if task == "squad":
         from megalm.evaluate.squad import squad
         start = time.perf_counter()
@@ -97,7 +99,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, strid
             details.parent.mkdir(exist_ok=True)
         metrics = squad(cfg, model, tok, data, batch_size, n_best=n_best, max_answer_length=max_answer_length,
                         null_threshold=null_threshold, details=details)
-        return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp)
+        return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
     if getattr(cfg.model, "fine_tuning_head", False):
         raise ConfigError(f"{run_dir} is a fine-tuned classifier (no language-model head): score it with the "
                           "classify task")
@@ -126,13 +128,13 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, strid
                                   timeout_s=timeout_s, seed=seed, details=details, skip_long=skip_long, **gen)
     else:
         metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
-    return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp)
+    return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
 
 
 def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str, Any], start: float,
-            write: bool, tp: int = 1, pp: int = 1) -> Dict[str, Any]:
+            write: bool, tp: int = 1, pp: int = 1, dp: int = 1) -> Dict[str, Any]:
     results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
-               "step": state["step"], "tp": tp, "pp": pp, **metrics, "seconds": round(time.perf_counter() - start, 3)}
+               "step": state["step"], "tp": tp, "pp": pp, "dp": dp, **metrics, "seconds": round(time.perf_counter() - start, 3)}
     if write:
         stride = f"_stride{metrics['stride']}" if task == "perplexity" else ""  # one file per window setting
         out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}{stride}.json"
@@ -184,15 +186,16 @@ def main(argv: Optional[List[str]] = None) -> None:
                     help="squad v2.0: answer nothing when the no-answer score beats the best span's by more "
                          "(default 0)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks the model runs over (default 1)")
-    ap.add_argument("--pp", type=int, default=1,
-                    help="pipeline stages the model runs over (default 1); tp x pp ranks start here, or under "
-                         "torchrun as many as it starts")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages the model runs over (default 1)")
+    ap.add_argument("--dp", type=int, default=1,
+                    help="model replicas that divide the examples (default 1); tp x pp x dp ranks start here, or "
+                         "under torchrun as many as it starts")
     ap.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
         from megalm.generate import _resolve_device
-        results = evaluate(args.run_dir, args.task, args.data, tp=args.tp, pp=args.pp, stride=args.stride, strict=not args.non_strict,
+        results = evaluate(args.run_dir, args.task, args.data, tp=args.tp, pp=args.pp, dp=args.dp, stride=args.stride, strict=not args.non_strict,
                            normalize=args.normalize, batch_size=args.batch_size, device=_resolve_device(args.device),
                            samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens,

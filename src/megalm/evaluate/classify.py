@@ -58,12 +58,18 @@ def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, An
     examples = read_examples([str(path)], cfg.data.task, cfg.data.labels, num_labels, num_choices)
     model.eval()
     device = next(model.parameters()).device
-    predictions: List[np.ndarray] = []
-    for b in range(0, len(examples), batch_size):
-        batch = {k: v.to(device) for k, v in collate([make(e) for e in examples[b:b + batch_size]]).items()}
-        out = model(*(batch[k] for k in family.inputs))
-        out = (model.predictions(out, batch) if hasattr(model, "predictions") else out).float().cpu()
-        predictions.append(out[:, 0].numpy() if num_labels == 1 else out.argmax(-1).numpy())
+
+    def predict(part) -> List[float]:
+        out_all: List[float] = []
+        for b in range(0, len(part), batch_size):
+            batch = {k: v.to(device) for k, v in collate([make(e) for e in part[b:b + batch_size]]).items()}
+            out = model(*(batch[k] for k in family.inputs))
+            out = (model.predictions(out, batch) if hasattr(model, "predictions") else out).float().cpu()
+            out_all += (out[:, 0] if num_labels == 1 else out.argmax(-1)).tolist()
+        return out_all
+
+    from megalm.evaluate.layout import across_replicas
+    predictions = np.array(across_replicas(model, predict, examples))  # data-parallel replicas: a share each
     labels = np.array([e.label for e in examples])
     return {"examples": len(examples), "data_task": cfg.data.task,
-            **metrics(cfg.data.task, np.concatenate(predictions), labels, num_labels or num_choices)}
+            **metrics(cfg.data.task, predictions, labels, num_labels or num_choices)}

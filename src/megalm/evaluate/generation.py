@@ -105,11 +105,15 @@ def code(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, samp
         if not problems:
             raise DataError(f"{path}: no problem leaves room for --max-new-tokens={max_new_tokens} within "
                             f"model.seq_length={seq_length}")
-    completions = [[complete(model, tokenizer, p["prompt"], max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP,
-                             seq_length=seq_length, vocab_size=vocab_size, temperature=temperature, top_p=top_p,
-                             seed=seed + j, where=f"{p['where']} ({p['task_id']})")
-                    for j in range(samples)] for p in problems]
-    outcomes = run_checks([code_program(p, c) for p, cs in zip(problems, completions) for c in cs], timeout_s=timeout_s)
+    from megalm.evaluate.layout import across_replicas
+    wanted = [(p, j) for p in problems for j in range(samples)]  # data-parallel replicas take a share each
+    flat = across_replicas(model, lambda part: [
+        complete(model, tokenizer, p["prompt"], max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP,
+                 seq_length=seq_length, vocab_size=vocab_size, temperature=temperature, top_p=top_p, seed=seed + j,
+                 where=f"{p['where']} ({p['task_id']})") for p, j in part], wanted)
+    completions = [flat[i * samples:(i + 1) * samples] for i in range(len(problems))]
+    programs = [code_program(p, c) for p, cs in zip(problems, completions) for c in cs]
+    outcomes = across_replicas(model, lambda part: run_checks(part, timeout_s=timeout_s), programs)
     correct = [sum(o.passed for o in outcomes[i * samples:(i + 1) * samples]) for i in range(len(problems))]
     if details is not None:
         with open(details, "w") as f:
@@ -130,14 +134,17 @@ def generate(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, 
     except ImportError:
         raise ConfigError("the generate task scores BLEU and chrF with sacrebleu: pip install "
                           "'megalm[translation]'") from None
-    hyps, refs = [], []
+    from megalm.evaluate.layout import across_replicas
+    prompts, refs = [], []
     for where, rec in read_jsonl(path, ["prompt", "reference"]):
         ref = rec["reference"] if isinstance(rec["reference"], list) else [rec["reference"]]
         if not isinstance(rec["prompt"], str) or not ref or not all(isinstance(r, str) for r in ref):
             raise DataError(f"{where}: 'prompt' must be a string and 'reference' a string or a list of strings")
-        hyps.append(complete(model, tokenizer, rec["prompt"], max_new_tokens=max_new_tokens, stop=stop,
-                             seq_length=seq_length, vocab_size=vocab_size, where=where).strip())
+        prompts.append((where, rec["prompt"]))
         refs.append(ref)
+    hyps = across_replicas(model, lambda part: [
+        complete(model, tokenizer, prompt, max_new_tokens=max_new_tokens, stop=stop, seq_length=seq_length,
+                 vocab_size=vocab_size, where=where).strip() for where, prompt in part], prompts)
     width = max(map(len, refs))
     if any(len(r) != width for r in refs):
         raise DataError(f"{path}: every line needs the same number of references for corpus BLEU "

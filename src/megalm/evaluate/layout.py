@@ -1,8 +1,9 @@
 """Evaluation at a tensor- and pipeline-parallel layout, for a model too big for one device.
 
-`load_at_layout` builds the run's model at tp x pp over the ranks of the process group (dp is 1:
-every rank takes part in every forward) and loads the run's latest checkpoint into it; checkpoints
-reshard, so the layout need not be the one the run trained at. `LayoutModel` is called as the
+`load_at_layout` builds the run's model at tp x pp x dp over the ranks of the process group and
+loads the run's latest checkpoint into it; checkpoints reshard, so the layout need not be the one
+the run trained at. dp replicas divide the work: `across_replicas` gives each a contiguous share of
+a task's items (windows, examples, prompts) and gathers the results, in order, on every rank. `LayoutModel` is called as the
 single-process model is, `model(*inputs)`, and returns the whole output on every rank: the
 pipeline's stages run in order with plain sends and receives, the last stage gathers
 vocabulary-parallel logits over tp, and sends its output to the other stages. Every rank then runs
@@ -10,7 +11,7 @@ the same scoring code on the same numbers (sampling included: the generators are
 rank 0 writes the results. Generation recomputes the whole prefix for each new token: the KV
 cache is the single-process path's.
 
-`on_ranks` runs a function on tp x pp ranks of this machine (gloo on CPU, NCCL on GPUs) when the
+`on_ranks` runs a function on tp x pp x dp ranks of this machine (gloo on CPU, NCCL on GPUs) when the
 process is not one of a launcher's ranks already (torchrun sets RANK), and returns rank 0's result.
 """
 
@@ -21,7 +22,7 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,8 @@ class LayoutModel:
 
     def __init__(self, module: torch.nn.Module, layout, mesh):
         self.module, self.cfg = module, module.cfg
+        self.dp_group = mesh["dp"].get_group() if mesh["dp"].size() > 1 else None
+        """The data-parallel replicas' group (None: one replica), which across_replicas divides work over."""
         self.tp_group = mesh["tp"].get_group()
         self.tp = mesh["tp"].size()
         self.pp = mesh["pp"].size()
@@ -105,8 +108,9 @@ def check_layout(run_dir: Path, tp: int, pp: int):
     return cfg
 
 
-def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu"):
-    """(config, LayoutModel, tokenizer, checkpoint state) of the run's latest checkpoint at tp x pp."""
+def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int = 1):
+    """(config, LayoutModel, tokenizer, checkpoint state) of the run's latest checkpoint at tp x pp, in
+    each of dp replicas."""
     from megalm.config import ParallelConfig
     from megalm.data import load_tokenizer
     from megalm.distributed.mesh import ParallelDims, build_mesh
@@ -114,11 +118,10 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu"):
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     world = dist.get_world_size()
-    if tp * pp != world:
-        raise ConfigError(f"--tp {tp} x --pp {pp} = {tp * pp} must be the number of ranks, {world} (evaluation "
-                          "runs no data parallelism)")
+    if tp * pp * dp != world:
+        raise ConfigError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} must be the number of ranks, {world}")
     cfg = check_layout(run_dir, tp, pp)
-    parallel = ParallelConfig(name=f"tp{tp}_pp{pp}", tp=tp, pp=pp, dp=1)
+    parallel = ParallelConfig(name=f"tp{tp}_pp{pp}_dp{dp}", tp=tp, pp=pp, dp=dp)
     cfg = dataclasses.replace(cfg, parallel=parallel)
     dims = ParallelDims.from_config(parallel, world)
     mesh = build_mesh(dims, torch.device(device).type)
@@ -211,8 +214,24 @@ def _rank(rank: int, world: int, backend: str, store_path: str, queue, fn, args,
             dist.destroy_process_group()
 
 
+def across_replicas(model, fn: Callable[[list], list], items: Sequence[Any]) -> list:
+    """fn(items) (a list, one result per item), each data-parallel replica of `model` computing a
+    contiguous share; every rank gets all the results in order. One replica (or a single-process
+    model): fn(items) itself."""
+    group = getattr(model, "dp_group", None)
+    items = list(items)
+    if group is None:
+        return list(fn(items))
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    bounds = [len(items) * r // world for r in range(world + 1)]
+    mine = list(fn(items[bounds[rank]:bounds[rank + 1]]))
+    parts: List[Any] = [None] * world
+    dist.all_gather_object(parts, mine, group=group)
+    return [x for part in parts for x in part]
+
+
 def is_rank0() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-__all__ = ["LayoutModel", "is_rank0", "load_at_layout", "on_ranks"]
+__all__ = ["LayoutModel", "across_replicas", "check_layout", "is_rank0", "load_at_layout", "on_ranks"]

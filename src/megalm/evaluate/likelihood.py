@@ -31,10 +31,15 @@ class Scorer:
         self.batch_size = batch_size
         self.device = next(model.parameters()).device
 
-    @torch.no_grad()
     def score(self, rows: Sequence[Tuple[List[int], int]]) -> List[Scored]:
         """rows: (ids, k): score ids[t] given ids[:t] for t in [k, len(ids)); 1 <= k < len(ids) and
-        len(ids) - 1 <= seq_length (one forward of ids[:-1])."""
+        len(ids) - 1 <= seq_length (one forward of ids[:-1]). Data-parallel replicas of a model at a
+        layout score a share each (megalm.evaluate.layout.across_replicas)."""
+        from megalm.evaluate.layout import across_replicas
+        return across_replicas(self.model, self._score, rows)
+
+    @torch.no_grad()
+    def _score(self, rows: Sequence[Tuple[List[int], int]]) -> List[Scored]:
         out: List[Scored] = []
         for b in range(0, len(rows), self.batch_size):
             batch = rows[b:b + self.batch_size]

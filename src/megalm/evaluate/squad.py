@@ -165,13 +165,18 @@ def squad(cfg, model, tokenizer, path, batch_size: int, *, n_best: int = 20, max
     windows = [(q, make(q)) for q in questions]
     flat = [w for _, ws in windows for w in ws]
     device = next(model.parameters()).device
-    logits: List[np.ndarray] = []
     model.eval()
-    with torch.no_grad():
-        for b in range(0, len(flat), batch_size):
-            batch = collate([w.sample for w in flat[b:b + batch_size]])
-            logits.append(model(*(batch[k].to(device) for k in family.inputs)).float().cpu().numpy())
-    out = np.concatenate(logits)  # (windows, T, 2)
+
+    @torch.no_grad()
+    def read(part) -> List[np.ndarray]:
+        logits: List[np.ndarray] = []
+        for b in range(0, len(part), batch_size):
+            batch = collate([w.sample for w in part[b:b + batch_size]])
+            logits += list(model(*(batch[k].to(device) for k in family.inputs)).float().cpu().numpy())
+        return logits
+
+    from megalm.evaluate.layout import across_replicas
+    out = np.stack(across_replicas(model, read, flat))  # (windows, T, 2); data-parallel replicas: a share each
     predictions: Dict[str, str] = {}
     k = 0
     for q, ws in windows:
