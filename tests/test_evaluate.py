@@ -102,6 +102,9 @@ def test_cloze_equals_transformers_argmax(run, tmp_path, strict):
         hits.append(bool(argmax.all()))
     assert got["examples"] == len(CLOZE) and got["correct"] == sum(hits)
     assert got["accuracy"] == sum(hits) / len(CLOZE)
+    # strict and non-strict results are two files, each with its own numbers
+    written = run_dir / "eval" / f"cloze_lambada{'' if strict else '_nonstrict'}.json"
+    assert json.loads(written.read_text())["strict"] == strict
 
 
 def test_cloze_rows_are_megatrons(run, tmp_path):

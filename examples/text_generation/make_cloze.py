@@ -1,6 +1,7 @@
 """Write LAMBADA-format cloze items ({"text": ...}, the last word to predict) from the paragraphs
-of a text file: each paragraph of at least 10 words, whitespace collapsed, its closing punctuation
-dropped so that it ends with the word, which must be alphabetic.
+of a text file: each paragraph of at least 10 words, its last 80 kept (a small model's context),
+whitespace collapsed, its closing punctuation dropped so that it ends with the word, which must be
+alphabetic.
 
     python examples/text_generation/make_cloze.py TEXT_FILE OUT.jsonl
 """
@@ -16,7 +17,7 @@ def items(text: str):
         words = paragraph.split()
         if len(words) < 10:
             continue
-        line = " ".join(words).rstrip(".,;:!?)\"'")
+        line = " ".join(words[-80:]).rstrip(".,;:!?)\"'")
         last = line.rsplit(" ", 1)[-1]
         if last.isalpha() and len(last) > 1:
             yield {"text": line}

@@ -24,8 +24,8 @@ Tasks (each text is scored as a document: after the end-of-document token, as tr
   (squad.py); the answers go to squad_<stem>_predictions.json.
 
 Results are printed as a table and written to RUN_DIR/eval/<task>_<data file stem>.json (perplexity
-adds _stride<N>; code and
-generate also write each completion to <task>_<stem>_samples.jsonl). The model runs in this
+adds _stride<N>, cloze --non-strict _nonstrict, choice --normalize _normtokens or _normchars); code
+and generate also write each completion to <task>_<stem>_samples.jsonl. The model runs in this
 process, or with --tp / --pp / --dp at that layout over tp x pp x dp ranks, the dp replicas dividing
 the examples (layout.py; checkpoints load at any layout, whatever the run trained at).
 """
@@ -136,12 +136,22 @@ def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str,
     results = {"task": task, "data": str(data), "run": str(run_dir), "model": cfg.model.name,
                "step": state["step"], "tp": tp, "pp": pp, "dp": dp, **metrics, "seconds": round(time.perf_counter() - start, 3)}
     if write:
-        stride = f"_stride{metrics['stride']}" if task == "perplexity" else ""  # one file per window setting
-        out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}{stride}.json"
+        out = run_dir / "eval" / f"{task}_{data.name.split('.')[0]}{variant(task, metrics)}.json"
         out.parent.mkdir(exist_ok=True)
         out.write_text(json.dumps(results, indent=1) + "\n")
         results["written_to"] = str(out)
     return results
+
+
+def variant(task: str, metrics: Dict[str, Any]) -> str:
+    """What a results file's name adds for a setting that changes the numbers (one file per setting)."""
+    if task == "perplexity":
+        return f"_stride{metrics['stride']}"
+    if task == "cloze" and not metrics["strict"]:
+        return "_nonstrict"
+    if task == "choice" and metrics["normalize"] != "none":
+        return f"_norm{metrics['normalize']}"
+    return ""
 
 
 def format_table(results: Dict[str, Any]) -> str:
