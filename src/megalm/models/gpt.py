@@ -90,7 +90,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, *packed: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 loss_mask: Optional[torch.Tensor] = None, cache: Optional[KVCache] = None,
-                start: int = 0, part: Optional[Part] = None):
+                start: int = 0, part: Optional[Part] = None, positions: Optional[torch.Tensor] = None,
+                attention_mask: Optional[torch.Tensor] = None):
         """tokens (B, T) ids → logits (B, T, V); with labels (B, T) → mean cross-entropy loss. With a
         fine-tuning head, the score head's (B, T, num_labels or 1) at every position (`predictions`
         reads the last real token's); multiple choice takes tokens (B, C, T).
@@ -98,6 +99,9 @@ class GPT(nn.Module):
         `packed` = (position_ids, segment_ids), each (B, T), for sequences of several packed
         examples: positions restart and attention stays inside each example (segment), as
         Megatron's --reset-position-ids and --reset-attention-mask do.
+        `positions` (B, T) and `attention_mask` (B, 1, T, S) bool: each row's own positions and the keys
+        its queries see, for a batch whose rows stand at different points of their sequences (the
+        serving engine's cache slots: megalm.serve.engine).
         With `part` (a pipeline stage) only its layers run: a stage after the first takes the
         hidden states (B, T, h) in place of tokens (and `packed` after them), and one before the
         last returns them (with `packed`).
@@ -108,13 +112,13 @@ class GPT(nn.Module):
         first, last = part is None or part.first, part is None or part.last
         if first and self.cfg.num_choices:
             tokens, = fold_choices((tokens,), self.cfg.num_choices)
-        positions, segments = packed if packed else (None, None)
+        positions, segments = packed if packed else (positions, None)
         x = self.embed(tokens, start, positions) if first else tokens  # (B, T, h), or a sequence shard under SP
         rope = self.rope(max(self.cfg.seq_length, start + (tokens.shape[1] if first else 0)), x.device)
-        mask = packed_attention_mask(segments) if segments is not None else None
+        mask = packed_attention_mask(segments) if segments is not None else attention_mask
         blocks = self.blocks.values() if part is None else [self.blocks[str(i)] for i in part.layers]
         for block in blocks:
-            x = block(x, rope, cache, start, mask, positions) if packed else block(x, rope, cache, start)
+            x = block(x, rope, cache, start, mask, positions) if positions is not None else block(x, rope, cache, start)
         if not last:
             return (x, *packed) if packed else x
         if self.score is not None:

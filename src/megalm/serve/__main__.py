@@ -1,0 +1,3 @@
+from megalm.serve import main
+
+main()

@@ -1,0 +1,393 @@
+"""The HTTP API of megalm.serve, on FastAPI: Megatron's and OpenAI's endpoints over one Engine.
+
+- `PUT /api`: Megatron-LM's text-generation server's request and response. Fields: prompts (a
+  list of strings), tokens_to_generate (64), temperature (1.0, in (0, 100]), top_k (0), top_p
+  (0.0; not together with top_k), logprobs (false), add_BOS (false: prepend the end-of-document
+  token), stop_on_eol, stop_on_double_eol (false), random_seed (-1: none). The answer holds
+  `text` (each prompt followed by its generation), `segments` (their tokens as text) and, with
+  logprobs, `logprobs` (of every token after the first). tokens_to_generate=0 scores the prompts.
+- `POST /v1/completions` and `POST /v1/chat/completions`: OpenAI's (prompt or messages, max_tokens,
+  temperature, top_p, n, stream, stop, logprobs, echo, seed, user); `stream: true` sends
+  server-sent events. Every prompt is read as a document, after the end-of-document token, as
+  training saw it; chat messages are written with the run's data.chat_template and the reply is
+  generated after the assistant's part of it.
+- `GET /v1/models`, `GET /health` (the engine's load).
+
+A request that is not valid JSON, has a field of the wrong type or out of range, a field the
+endpoint does not take, or a prompt that leaves no room for the tokens asked is answered 400 with
+{"error": {"message", "type", "param"}} naming the field; a full queue is 503. The server goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
+
+from megalm.serve.engine import Engine, QueueFull, Request, Sampling
+
+try:
+    from fastapi import FastAPI, Request as HTTPRequest
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from pydantic import BaseModel, ConfigDict, Field, field_validator
+except ImportError as e:  # the optional extra
+    from megalm.errors import ConfigError
+    raise ConfigError(f"megalm.serve needs FastAPI and uvicorn ({e}): pip install 'megalm[serve]'") from None
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+def _error(message: str, param: Optional[str], status: int, kind: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class MegatronRequest(_Strict):
+    prompts: List[str] = Field(min_length=1)
+    tokens_to_generate: int = Field(64, ge=0)
+    temperature: float = Field(1.0, gt=0.0, le=100.0)
+    top_k: int = Field(0, ge=0)
+    top_p: float = Field(0.0, ge=0.0, le=1.0)
+    logprobs: bool = False
+    add_BOS: bool = False
+    stop_on_eol: bool = False
+    stop_on_double_eol: bool = False
+    random_seed: int = -1
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _number(cls, v):
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class CompletionRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Union[str, List[str]]
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stop: Optional[Union[str, List[str]]] = None
+    logprobs: Optional[int] = Field(None, ge=0, le=5)
+    echo: bool = False
+    seed: Optional[int] = None
+    user: Optional[str] = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _number(cls, v):
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+class Message(_Strict):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class ChatRequest(_Strict):
+    model: Optional[str] = None
+    messages: List[Message] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1)
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=16)
+    stream: bool = False
+    stop: Optional[Union[str, List[str]]] = None
+    logprobs: bool = False
+    seed: Optional[int] = None
+    user: Optional[str] = None
+
+    @field_validator("temperature", "top_p", mode="before")
+    @classmethod
+    def _number(cls, v):
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
+
+
+def _stops(stop: Optional[Union[str, List[str]]]) -> List[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stops) > 4 or any(not s for s in stops):
+        raise BadRequest(f"stop: at most 4 non-empty strings (got {stops!r})", "stop")
+    return stops
+
+
+class Server:
+    """The endpoints' logic over an Engine (create_app wires them to routes)."""
+
+    def __init__(self, engine: Engine, tokenizer, *, model_name: str, seq_length: int, chat_template: str):
+        self.engine, self.tok = engine, tokenizer
+        self.model_name, self.seq_length, self.chat_template = model_name, seq_length, chat_template
+        self.created = int(time.time())
+
+    # -- running requests ------------------------------------------------------------------------
+    def _check_room(self, prompt: List[int], max_tokens: int, field: str) -> None:
+        if len(prompt) + max_tokens > self.seq_length:
+            raise BadRequest(f"{field}: the prompt is {len(prompt)} tokens and {max_tokens} more were asked; the model "
+                             f"reads at most {self.seq_length} (prompt + {field} <= {self.seq_length})", field)
+
+    def _start(self, prompt: List[int], sampling: Sampling):
+        """Submit one request; (request, asyncio queue of its events)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        req = Request(prompt, sampling, lambda *ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+        try:
+            self.engine.submit(req)
+        except QueueFull as e:
+            raise BadRequest(f"the server is busy: {e}; retry later", None, 503) from None
+        return req, events
+
+    async def _finish(self, req: Request, events: asyncio.Queue) -> str:
+        """Wait for the request to end; its finish reason."""
+        try:
+            while True:
+                kind, value, _, _ = await events.get()
+                if kind == "done":
+                    return str(value)
+                if kind == "error":
+                    raise BadRequest(f"generation failed: {value}", None, 500)
+        except asyncio.CancelledError:
+            self.engine.cancel(req)
+            raise
+
+    # -- Megatron ----------------------------------------------------------------------------------
+    async def megatron(self, body: MegatronRequest) -> Dict[str, Any]:
+        if body.top_k > 0 and body.top_p > 0:
+            raise BadRequest("top_k and top_p cannot both be set (Megatron's rule)", "top_p")
+        stops = (["\n\n"] if body.stop_on_double_eol else []) + (["\n"] if body.stop_on_eol else [])
+        runs = []
+        for i, text in enumerate(body.prompts):
+            prompt = ([self.tok.eod] if body.add_BOS else []) + self.tok.encode(text)
+            if not prompt:
+                raise BadRequest(f"prompts[{i}] is empty: give text, or add_BOS=true to start from the "
+                                 "end-of-document token", "prompts")
+            self._check_room(prompt, body.tokens_to_generate, "tokens_to_generate")
+            runs.append(prompt)
+        started = []
+        for prompt in runs:
+            sampling = Sampling(max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
+                                top_p=body.top_p if body.top_p > 0 else 1.0, stop=stops,
+                                seed=body.random_seed if body.random_seed >= 0 else None,
+                                prompt_logprobs=body.logprobs)
+            started.append(self._start(prompt, sampling))
+        for req, events in started:
+            await self._finish(req, events)
+        reqs = [r for r, _ in started]
+        return self._megatron_answer(runs, [r.tokens for r in reqs], [r.logprobs for r in reqs],
+                                     [r.prompt_logprobs for r in reqs], body.logprobs, [r.text for r in reqs])
+
+    def _megatron_answer(self, prompts, generated, gen_logprobs, prompt_logprobs, logprobs: bool,
+                         texts: Optional[List[str]] = None) -> Dict[str, Any]:
+        out: Dict[str, Any] = {"text": [], "segments": []}
+        for k, (p, g) in enumerate(zip(prompts, generated)):
+            body = self.tok.decode(p) + (texts[k] if texts is not None else self.tok.decode(g))
+            out["text"].append(body)
+            out["segments"].append([self.tok.decode([t]) for t in p + g])
+        if logprobs:
+            out["logprobs"] = [list(pl) + list(gl) for pl, gl in zip(prompt_logprobs, gen_logprobs)]
+        return out
+
+    # -- OpenAI ------------------------------------------------------------------------------------
+    def _sampling(self, max_tokens: int, temperature: float, top_p: float, stop: List[str], seed: Optional[int],
+                  j: int, prompt_logprobs: bool = False) -> Sampling:
+        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
+                        seed=None if seed is None else seed + j, prompt_logprobs=prompt_logprobs)
+
+    async def completions(self, body: CompletionRequest):
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        if not prompts:
+            raise BadRequest("prompt: give a string or a non-empty list of strings", "prompt")
+        stops = _stops(body.stop)
+        encoded = [[self.tok.eod] + self.tok.encode(p) for p in prompts]
+        for ids in encoded:
+            self._check_room(ids, body.max_tokens, "max_tokens")
+        jobs = [(i * body.n + j, p, ids) for i, (p, ids) in enumerate(zip(prompts, encoded)) for j in range(body.n)]
+        started = [self._start(ids, self._sampling(body.max_tokens, body.temperature, body.top_p, stops, body.seed,
+                                                   index % body.n, body.echo and body.logprobs is not None))
+                   for index, _, ids in jobs]
+        cid, model = f"cmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
+        if body.stream:
+            return StreamingResponse(self._stream_completions(cid, model, jobs, started, body.echo),
+                                     media_type="text/event-stream")
+        choices, completion_tokens = [], 0
+        for (index, text, ids), (req, events) in zip(jobs, started):
+            reason = await self._finish(req, events)
+            completion_tokens += len(req.tokens)
+            choice = {"text": (text if body.echo else "") + req.text, "index": index, "logprobs": None,
+                      "finish_reason": reason}
+            if body.logprobs is not None:
+                choice["logprobs"] = self._openai_logprobs(req, text if body.echo else None)
+            choices.append(choice)
+        prompt_tokens = sum(len(ids) for ids in encoded)
+        return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                              "total_tokens": prompt_tokens + completion_tokens}}
+
+    def _openai_logprobs(self, req: Request, echoed: Optional[str]) -> Dict[str, Any]:
+        """The legacy completions logprobs object: each token, its log-probability, its offset in the text."""
+        tokens = ([self.tok.decode([t]) for t in req.prompt[1:]] if echoed is not None else []) + \
+            [self.tok.decode([t]) for t in req.tokens]
+        values = (list(req.prompt_logprobs) if echoed is not None else []) + list(req.logprobs)
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+
+    async def _stream_completions(self, cid, model, jobs, started, echo: bool) -> AsyncIterator[str]:
+        try:
+            for (index, text, _), (req, events) in zip(jobs, started):
+                sent = ""
+                if echo:
+                    yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                                "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": None}]})
+                while True:
+                    kind, value, so_far, _ = await events.get()
+                    if kind == "token" and so_far.startswith(sent) and len(so_far) > len(sent):
+                        delta, sent = so_far[len(sent):], so_far
+                        yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                                    "choices": [{"text": delta, "index": index, "logprobs": None,
+                                                 "finish_reason": None}]})
+                    elif kind in ("done", "error"):
+                        rest = req.text[len(sent):] if req.text.startswith(sent) else ""
+                        yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                                    "choices": [{"text": rest, "index": index, "logprobs": None,
+                                                 "finish_reason": str(value) if kind == "done" else "error"}]})
+                        break
+            yield "data: [DONE]\n\n"
+        finally:
+            for req, _ in started:
+                self.engine.cancel(req)
+
+    def _chat_prompt(self, messages: List[Message]) -> List[int]:
+        from megalm.data.sft import template_parts
+        text = ""
+        for m in messages:
+            before, after = template_parts(self.chat_template, m.role)
+            text += before + m.content + after
+        before, _ = template_parts(self.chat_template, "assistant")
+        return [self.tok.eod] + self.tok.encode(text + before)
+
+    async def chat(self, body: ChatRequest):
+        from megalm.data.sft import template_parts
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        prompt = self._chat_prompt(body.messages)
+        asked = body.max_completion_tokens or body.max_tokens
+        max_tokens = asked if asked is not None else max(1, min(256, self.seq_length - len(prompt)))
+        self._check_room(prompt, max_tokens, "max_tokens" if body.max_completion_tokens is None
+                         else "max_completion_tokens")
+        _, after = template_parts(self.chat_template, "assistant")
+        user_before, _ = template_parts(self.chat_template, "user")
+        stops = _stops(body.stop) + [after + user_before]  # the next turn's opening ends the reply
+        started = [self._start(prompt, self._sampling(max_tokens, body.temperature, body.top_p, stops, body.seed, j))
+                   for j in range(body.n)]
+        cid, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
+        if body.stream:
+            return StreamingResponse(self._stream_chat(cid, model, started, after), media_type="text/event-stream")
+        choices, completion_tokens = [], 0
+        for j, (req, events) in enumerate(started):
+            reason = await self._finish(req, events)
+            completion_tokens += len(req.tokens)
+            content = req.text[:-len(after)] if after and req.text.endswith(after) else req.text
+            choice: Dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": content},
+                                      "finish_reason": reason, "logprobs": None}
+            if body.logprobs:
+                choice["logprobs"] = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None,
+                                                   "top_logprobs": []} for t, lp in zip(req.tokens, req.logprobs)]}
+            choices.append(choice)
+        return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
+                "choices": choices, "usage": {"prompt_tokens": len(prompt) * body.n,
+                                              "completion_tokens": completion_tokens,
+                                              "total_tokens": len(prompt) * body.n + completion_tokens}}
+
+    async def _stream_chat(self, cid, model, started, after: str) -> AsyncIterator[str]:
+        def chunk(j, delta, reason=None):
+            return _sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                         "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": reason}]})
+        try:
+            for j, (req, events) in enumerate(started):
+                yield chunk(j, {"role": "assistant", "content": ""})
+                sent = ""
+                while True:
+                    kind, value, so_far, _ = await events.get()
+                    if kind == "token":
+                        # hold back what may be the template's closing text until the reply ends
+                        safe = so_far[:len(so_far) - len(after)] if after else so_far
+                        if safe.startswith(sent) and len(safe) > len(sent):
+                            yield chunk(j, {"content": safe[len(sent):]})
+                            sent = safe
+                    elif kind in ("done", "error"):
+                        final = req.text[:-len(after)] if after and req.text.endswith(after) else req.text
+                        rest = final[len(sent):] if final.startswith(sent) else ""
+                        yield chunk(j, {"content": rest} if rest else {}, str(value) if kind == "done" else "error")
+                        break
+            yield "data: [DONE]\n\n"
+        finally:
+            for req, _ in started:
+                self.engine.cancel(req)
+
+    def models(self) -> Dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "megalm"}]}
+
+
+_TYPE_TAG = re.compile(r"(str|int|float|bool|none|[a-z]+\[.*\]|function-[a-z]+\[.*\])")
+
+
+def _sse(payload: Dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(server: Server) -> FastAPI:
+    app = FastAPI(title="megalm", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: HTTPRequest, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        # the field's path: without "body", and without the type a union member was tried as ("str", "list[str]")
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not _TYPE_TAG.fullmatch(str(x))]
+        param = ".".join(loc) or "body"
+        if first.get("type") == "json_invalid":
+            return _error(f"the body is not valid JSON: {first.get('msg', '')}", "body", 400)
+        if first.get("type") == "extra_forbidden":
+            return _error(f"{param}: this endpoint takes no field {loc[-1]!r}", param, 400)
+        return _error(f"{param}: {first.get('msg', 'invalid')} (got {first.get('input')!r})", param, 400)
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: HTTPRequest, exc: BadRequest):
+        kind = {503: "server_busy", 500: "server_error"}.get(exc.status, "invalid_request_error")
+        return _error(exc.message, exc.param, exc.status, kind)
+
+    @app.put("/api")
+    async def megatron(body: MegatronRequest):
+        return await server.megatron(body)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest):
+        return await server.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatRequest):
+        return await server.chat(body)
+
+    @app.get("/v1/models")
+    async def models():
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": server.model_name, **server.engine.load()}
+
+    return app

@@ -1,0 +1,256 @@
+"""The serving engine: continuous batching of text generation over one decoder model.
+
+Requests wait in a bounded queue. A worker thread holds up to `slots` of them at a time, each in
+its own slot of a KV cache (`SlotKVCache`: per slot, the keys and values of its positions). A
+request that enters a slot is prefilled alone (its prompt in one forward); then every step decodes
+one token for every slot together, each at its own position, with an attention mask that keeps
+each row to its own keys. A finished request frees its slot at once and the next waiting one
+enters at the next step, without waiting for the batch (continuous batching, as Orca and vLLM do).
+
+A request's tokens do not depend on its neighbours: its rows of the batch see only its own
+cache, it samples from its own generator (seeded by the request), and its stop conditions are its
+own. (Float sums of a batched matmul may round differently from a single row's; greedy decoding
+picks the same tokens unless two logits tie to within that rounding.)
+
+Results go back through a callback per request, called from the worker thread: ("token", id,
+text so far, logprob) for each new token, then ("done", finish reason, None, None), or ("error",
+message, None, None).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import torch
+
+log = logging.getLogger("megalm.serve")
+
+
+class QueueFull(Exception):
+    """The engine holds as many waiting requests as it may."""
+
+
+@dataclass
+class Sampling:
+    """How one request generates."""
+    max_tokens: int
+    """Tokens to generate at most; 0 scores the prompt (with prompt_logprobs)."""
+    temperature: float = 0.0
+    """0: greedy."""
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    """The request's own generator; None: drawn from the engine's."""
+    stop: Sequence[str] = ()
+    """Strings that end the generation (the text is cut before the first one)."""
+    stop_at_eod: bool = True
+    """End at the end-of-document token (not part of the text)."""
+    prompt_logprobs: bool = False
+    """Also report the log-probability of each prompt token after the first (echo / Megatron's logprobs)."""
+
+
+@dataclass
+class Request:
+    prompt: List[int]
+    sampling: Sampling
+    emit: Callable[[str, object, Optional[str], Optional[float]], None]
+    tokens: List[int] = field(default_factory=list)
+    logprobs: List[float] = field(default_factory=list)
+    prompt_logprobs: List[float] = field(default_factory=list)
+    text: str = ""
+    slot: int = -1
+    generator: Optional[torch.Generator] = None
+    cancelled: bool = False
+
+
+class SlotKVCache:
+    """Keys and values per slot: (slots, kv_heads, max_len, head_dim) per layer."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, device, dtype):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.max_len = max_len
+
+    def rows(self, slots: torch.Tensor, starts: torch.Tensor, length: int) -> "_Rows":
+        """The cache as a batch of `slots`, row b writing `length` new positions from starts[b]."""
+        return _Rows(self, slots, starts, length)
+
+
+class _Rows:
+    """What the model's attention layers see as `cache`: each row writes at its own position and
+    reads its slot's keys up to the longest row's end (the attention mask hides the rest)."""
+
+    def __init__(self, cache: SlotKVCache, slots: torch.Tensor, starts: torch.Tensor, length: int):
+        self.cache, self.slots = cache, slots
+        self.positions = starts[:, None] + torch.arange(length, device=starts.device)  # (B, T)
+        self.end = int(self.positions.max()) + 1
+        if self.end > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} positions; asked for {self.end}")  # a bug
+
+    def mask(self) -> torch.Tensor:
+        """(B, 1, T, end) bool: query t of row b sees keys 0 .. its own position."""
+        keys = torch.arange(self.end, device=self.positions.device)
+        return (keys[None, None, :] <= self.positions[:, :, None])[:, None]
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor):
+        rows = self.slots[:, None].expand_as(self.positions)
+        # (B, kv, T, hd) -> (B, T, kv, hd): one [kv, hd] block per (slot, position)
+        self.cache.k[layer].permute(0, 2, 1, 3)[rows, self.positions] = k.transpose(1, 2)
+        self.cache.v[layer].permute(0, 2, 1, 3)[rows, self.positions] = v.transpose(1, 2)
+        return self.cache.k[layer][self.slots, :, :self.end], self.cache.v[layer][self.slots, :, :self.end]
+
+
+class Engine:
+    """Continuous batching over `model` (a single-process decoder built by megalm.generate's loader)."""
+
+    def __init__(self, model, tokenizer, *, seq_length: int, slots: int = 8, max_queue: int = 64, seed: int = 0):
+        if slots < 1 or max_queue < 1:
+            raise ValueError(f"slots={slots} and max_queue={max_queue} must be at least 1")
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.seq_length, self.slots, self.max_queue = seq_length, slots, max_queue
+        cfg = model.cfg
+        # Log-probabilities over the model's vocabulary, as training's loss takes them (its padding rows
+        # left out); tokens are drawn from the tokenizer's ids only.
+        self.model_vocab, self.tokens = cfg.vocab_size, tokenizer.vocab_size
+        p = next(model.parameters())
+        self.device = p.device
+        self.cache = SlotKVCache(cfg.num_layers, slots, cfg.kv_heads, seq_length, cfg.head_dim, p.device, p.dtype)
+        self.waiting: Deque[Request] = collections.deque()
+        self.active: Dict[int, Request] = {}
+        self.lengths = [0] * slots  # positions held in each slot's cache
+        self.seeds = torch.Generator().manual_seed(seed)
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.steps = 0
+        self.thread = threading.Thread(target=self._run, name="megalm-serve-engine", daemon=True)
+        self.thread.start()
+
+    # -- the requests' side ----------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        """Queue a request (QueueFull when max_queue are waiting)."""
+        if not request.prompt:
+            raise ValueError("a request needs at least one prompt token")  # the API checks first
+        if len(request.prompt) + request.sampling.max_tokens > self.seq_length:
+            raise ValueError(f"{len(request.prompt)} prompt tokens + {request.sampling.max_tokens} to generate "
+                             f"exceed the model's {self.seq_length}")  # the API checks first
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (the server's --max-queue)")
+            if request.sampling.seed is not None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling.seed)
+            else:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self.seeds))
+                request.generator = torch.Generator(device=self.device).manual_seed(seed)
+            self.waiting.append(request)
+            self.cond.notify()
+
+    def cancel(self, request: Request) -> None:
+        """The client went away: drop the request at the next step."""
+        request.cancelled = True
+
+    def load(self) -> Dict[str, int]:
+        with self.cond:
+            return {"active": len(self.active), "waiting": len(self.waiting), "slots": self.slots,
+                    "max_queue": self.max_queue, "steps": self.steps}
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Finish what is queued and running, then end the worker."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+        self.thread.join(timeout)
+
+    # -- the worker --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self.cond:
+                while not self.waiting and not self.active and not self.stopping:
+                    self.cond.wait()
+                if self.stopping and not self.waiting and not self.active:
+                    return
+                admitted = []
+                free = [s for s in range(self.slots) if s not in self.active]
+                while free and self.waiting:
+                    r = self.waiting.popleft()
+                    r.slot = free.pop(0)
+                    self.active[r.slot] = r
+                    admitted.append(r)
+            try:
+                with torch.no_grad():
+                    for r in admitted:
+                        self._prefill(r)
+                    if self.active:
+                        self._decode()
+                self.steps += 1
+            except Exception as e:  # a bug: fail the requests in flight, keep serving
+                log.exception("serving step failed")
+                with self.cond:
+                    failed, self.active = list(self.active.values()), {}
+                for r in failed:
+                    r.emit("error", f"{type(e).__name__}: {e}", None, None)
+
+    def _logits(self, tokens: torch.Tensor, slots: List[int], starts: List[int]) -> torch.Tensor:
+        rows = self.cache.rows(torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device),
+                               tokens.shape[1])
+        logits = self.model(tokens, cache=rows, positions=rows.positions, attention_mask=rows.mask())
+        return logits[..., :self.model_vocab].float()  # padded vocabulary rows are not tokens
+
+    def _prefill(self, r: Request) -> None:
+        ids = torch.tensor([r.prompt], device=self.device)
+        logits = self._logits(ids, [r.slot], [0])[0]  # (T, V)
+        self.lengths[r.slot] = len(r.prompt)
+        if r.sampling.prompt_logprobs:
+            logp = torch.log_softmax(logits[:-1], dim=-1)
+            r.prompt_logprobs = logp.gather(-1, ids[0, 1:, None])[:, 0].tolist()
+        if r.sampling.max_tokens == 0:  # scoring the prompt only
+            return self._finish(r, "length")
+        self._take(r, logits[-1])
+
+    def _decode(self) -> None:
+        order = sorted(self.active)
+        for s in [s for s in order if self.active[s].cancelled]:
+            self._finish(self.active[s], "cancelled")
+        order = sorted(self.active)
+        if not order:
+            return
+        last = torch.tensor([[self.active[s].tokens[-1]] for s in order], device=self.device)
+        logits = self._logits(last, order, [self.lengths[s] for s in order])[:, -1]  # (B, V)
+        for s in order:
+            self.lengths[s] += 1
+        for row, s in enumerate(order):
+            self._take(self.active[s], logits[row])
+
+    def _take(self, r: Request, logits: torch.Tensor) -> None:
+        """Sample r's next token from its logits (V,), report it, and finish r when it is done."""
+        from megalm.generate import sample_next
+        sp = r.sampling
+        allowed = logits if self.tokens >= len(logits) else logits.clone().index_fill_(
+            0, torch.arange(self.tokens, len(logits), device=logits.device), float("-inf"))
+        token = int(sample_next(allowed[None], sp.temperature, sp.top_k, sp.top_p, r.generator)[0])
+        logprob = float(torch.log_softmax(logits, dim=-1)[token])
+        if sp.stop_at_eod and token == self.tokenizer.eod:
+            return self._finish(r, "stop")
+        r.tokens.append(token)
+        r.logprobs.append(logprob)
+        text = self.tokenizer.decode(r.tokens)
+        cut = [text.find(s) for s in sp.stop if s and s in text]
+        if cut:
+            r.text = text[:min(cut)]
+            r.emit("token", token, r.text, logprob)
+            return self._finish(r, "stop")
+        r.text = text
+        r.emit("token", token, text, logprob)
+        if len(r.tokens) >= sp.max_tokens:
+            self._finish(r, "length")
+
+    def _finish(self, r: Request, reason: str) -> None:
+        with self.cond:
+            self.active.pop(r.slot, None)
+        r.emit("done", reason, None, None)

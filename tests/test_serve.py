@@ -1,0 +1,220 @@
+"""megalm.serve as users reach it: a real server process on 127.0.0.1 driven with plain HTTP
+(httpx) and the openai client. Its answers are checked against independent paths: greedy text
+against megalm's own KV-cache generation of each request alone, log-probabilities against
+transformers on the exported weights; concurrent requests come back unmixed; bad requests get a
+400 naming the field and the server goes on; a full queue answers 503; SIGTERM lets the request in
+flight finish and exits 0."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from test_evaluate import _hf_logprobs
+
+PROMPTS = ["import os\n", "def f(x):", "class A:\n    def", "for i in range(3):", "# a comment\n", "while True:",
+           "x = [", "return self."]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(run_dir: Path, *extra: str):
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "megalm.serve", str(run_dir), "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("the server did not answer /health in 120 s")
+
+
+def _stop(proc) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    proc, url = _start(run[0])
+    yield url
+    assert _stop(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def alone(run):
+    """Greedy completions of each prompt, generated alone in this process (KV cache, no server):
+    prompt -> (text, token ids, their log-probabilities from transformers)."""
+    from megalm.generate import generate_ids, load_for_generation
+    cfg, model, tok, _ = load_for_generation(run[0])
+    out = {}
+    for p in PROMPTS:
+        context = [tok.eod] + tok.encode(p)
+        ids = list(generate_ids(model, context, max_new_tokens=12, temperature=0, top_k=0, vocab_size=tok.vocab_size,
+                                eod=tok.eod))
+        out[p] = (tok.decode(context + ids)[len(tok.decode(context)):], ids,
+                  _hf_logprobs(run[1], context, ids)[0].tolist())
+    return out
+
+
+def test_completions_equal_generation_alone_and_logprobs_equal_transformers(server, run, alone):
+    _, hf, tok = run
+    for prompt in PROMPTS[:3]:
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                          "logprobs": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text, ids, ref = alone[prompt]
+        assert choice["text"] == text
+        lp = choice["logprobs"]
+        assert "".join(lp["tokens"]) == text and len(lp["token_logprobs"]) == len(ids)
+        context = [tok.eod] + tok.encode(prompt)
+        assert lp["token_logprobs"] == pytest.approx(ref, abs=1e-4)
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] == len(context) and usage["completion_tokens"] == len(ids)
+
+
+def test_megatron_api(server, run, alone):
+    _, hf, tok = run
+    prompts = ["def f(x):", "import os\n"]
+    r = httpx.put(f"{server}/api", json={"prompts": prompts, "tokens_to_generate": 6, "top_k": 1, "logprobs": True,
+                                         "add_BOS": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    for k, prompt in enumerate(prompts):
+        ids = [tok.eod] + tok.encode(prompt)
+        head, text = tok.decode(ids), out["text"][k]
+        generated = text[len(head):]
+        assert text.startswith(head) and generated and alone[prompt][0].startswith(generated)  # greedy (top_k=1)
+        assert "".join(out["segments"][k]) == text and len(out["logprobs"][k]) == len(out["segments"][k]) - 1
+        prompt_ref, _ = _hf_logprobs(hf, ids[:1], ids[1:])
+        assert out["logprobs"][k][:len(ids) - 1] == pytest.approx(prompt_ref.tolist(), abs=1e-4)
+    # tokens_to_generate=0 scores the prompt only
+    r = httpx.put(f"{server}/api", json={"prompts": ["import os"], "tokens_to_generate": 0, "logprobs": True,
+                                         "add_BOS": True}, timeout=60)
+    ids = [tok.eod] + tok.encode("import os")
+    assert r.json()["logprobs"][0] == pytest.approx(_hf_logprobs(hf, ids[:1], ids[1:])[0].tolist(), abs=1e-4)
+
+
+def test_openai_client_completions_chat_and_streams(server, alone):
+    import openai
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    models = client.models.list().data
+    assert len(models) == 1
+    done = client.completions.create(model=models[0].id, prompt="def f(x):", max_tokens=12, temperature=0)
+    assert done.choices[0].text == alone["def f(x):"][0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=models[0].id, prompt="def f(x):", max_tokens=12, temperature=0, stream=True))
+    assert streamed == done.choices[0].text
+    echo = client.completions.create(model=models[0].id, prompt="def f(x):", max_tokens=4, temperature=0, echo=True)
+    assert echo.choices[0].text.startswith("def f(x):")
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat = client.chat.completions.create(model=models[0].id, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].finish_reason in ("stop", "length")
+    pieces = list(client.chat.completions.create(model=models[0].id, messages=messages, max_tokens=8, temperature=0,
+                                                 stream=True))
+    assert pieces[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in pieces) == chat.choices[0].message.content
+    seeded = [client.completions.create(model=models[0].id, prompt="x = ", max_tokens=8, temperature=1.0, seed=7)
+              .choices[0].text for _ in range(2)]
+    assert seeded[0] == seeded[1]
+
+
+@pytest.mark.parametrize("method, path, body, status, param", [
+    ("post", "/v1/completions", "{not json", 400, "body"),
+    ("post", "/v1/completions", {"prompt": 5, "max_tokens": 4}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),
+    ("post", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
+    ("post", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("post", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("post", "/v1/completions", {"prompt": "x", "max_tokens": 40}, 400, "max_tokens"),
+    ("post", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ("post", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
+    ("post", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("put", "/api", {"prompts": ["x"], "top_k": 2, "top_p": 0.5}, 400, "top_p"),
+    ("put", "/api", {"prompts": ["x"], "temperature": 0}, 400, "temperature"),
+    ("put", "/api", {"prompts": [""], "tokens_to_generate": 2}, 400, "prompts"),
+    ("put", "/api", {"prompts": ["x"], "beam_width": 2}, 400, "beam_width"),
+])
+def test_bad_requests_name_the_field_and_the_server_goes_on(server, method, path, body, status, param):
+    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    r = httpx.request(method.upper(), f"{server}{path}", headers={"Content-Type": "application/json"}, timeout=60,
+                      **kw)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["message"]
+    assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
+
+
+def test_concurrent_clients_get_their_own_answers(server, alone):
+    """32 clients x 20 requests at once: every answer is its prompt's greedy completion alone, with
+    the log-probabilities of the request alone (batched rows see only their own keys)."""
+    latencies, answers = [], []
+
+    async def client(k: int, http: httpx.AsyncClient):
+        for i in range(20):
+            prompt = PROMPTS[(k + i) % len(PROMPTS)]
+            start = time.perf_counter()
+            r = await http.post(f"{server}/v1/completions",
+                                json={"prompt": prompt, "max_tokens": 12, "temperature": 0, "logprobs": 0})
+            latencies.append(time.perf_counter() - start)
+            answers.append((prompt, r.status_code, r.json()["choices"][0] if r.status_code == 200 else r.text))
+
+    async def main():
+        limits = httpx.Limits(max_connections=32)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as http:
+            await asyncio.gather(*(client(k, http) for k in range(32)))
+    asyncio.run(main())
+    assert len(answers) == 640
+    for prompt, status, choice in answers:
+        assert status == 200 and choice["text"] == alone[prompt][0], (prompt, choice)
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone[prompt][2], abs=1e-4), prompt
+    latencies.sort()
+    print(f"640 requests, 32 clients: latency p50 {latencies[319]:.3f} s, p99 {latencies[633]:.3f} s")
+
+
+def test_full_queue_is_503_and_sigterm_finishes_the_request_in_flight(run, alone):
+    proc, url = _start(run[0], "--slots", "1", "--max-queue", "1")
+    try:
+        async def flood():
+            async with httpx.AsyncClient(timeout=300) as http:
+                return await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
+                    "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0}) for _ in range(16)))
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert 503 in codes and 200 in codes and set(codes) == {200, 503}
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=300, json={
+                "prompt": PROMPTS[1], "max_tokens": 20, "temperature": 0, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)  # mid-stream
+            rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(x[6:]) for x in [first] + rest[:-1]]
+        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
