@@ -223,7 +223,7 @@ def test_bad_classification_configs(pretrained, sentiment):
     base = _base(pretrained, sentiment)
     for extra, message in ((["model.num_labels=3"], r"data.task=sst2 has 2 label\(s\) .* model.num_labels=3"),
                            (["data=mock"], r"model.num_labels=2 fine-tunes on labelled examples: set data=classification"),
-                           (["data.task=glue"], r"data.task='glue' is not one of jsonl, mnli")):
+                           (["data.task=glue"], r"data.task='glue' is not one of jsonl, fasttext, mnli")):
         with pytest.raises(ConfigError, match=message):
             validate(load(*base, *extra), 1)
     for extra, message in ((["model.num_choices=2"], r"model.num_labels=2 and model.num_choices=2: .* keep one"),

@@ -218,3 +218,19 @@ def test_full_queue_is_503_and_sigterm_finishes_the_request_in_flight(run, alone
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_bench_serve_runs_and_every_system_generates_the_same_tokens(run, tmp_path):
+    """scripts/bench_serve.py end to end on a few requests (a smoke test, never a timing test): the
+    server at each concurrency and transformers generate the same greedy tokens, so the same count."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_serve.py"
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(script), str(run[0]), "--requests", "6", "--max-tokens", "8",
+                        "--concurrency", "1", "3", "--slots", "3", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["system"] for row in rows] == ["megalm.serve, 1 in flight", "megalm.serve, 3 in flight",
+                                               "transformers generate, one by one"]
+    assert all(row["requests"] == 6 and row["tokens_per_s"] > 0 for row in rows)
+    assert len({row["tokens"] for row in rows}) == 1 and rows[0]["tokens"] > 0
