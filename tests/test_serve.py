@@ -234,3 +234,25 @@ def test_bench_serve_runs_and_every_system_generates_the_same_tokens(run, tmp_pa
                                                "transformers generate, one by one"]
     assert all(row["requests"] == 6 and row["tokens_per_s"] > 0 for row in rows)
     assert len({row["tokens"] for row in rows}) == 1 and rows[0]["tokens"] > 0
+
+
+@pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
+def test_a_layout_serves_what_one_process_does(run, alone, layout):
+    """Two ranks started by the server itself: rank 0 takes the requests, the other runs its forwards;
+    concurrent greedy answers and their log-probabilities are those of each request alone, and
+    SIGTERM stops both ranks with exit 0."""
+    proc, url = _start(run[0], *layout, "--slots", "4")
+    try:
+        async def ask():
+            async with httpx.AsyncClient(timeout=300) as http:
+                return await asyncio.gather(*(http.post(f"{url}/v1/completions", json={
+                    "prompt": p, "max_tokens": 12, "temperature": 0, "logprobs": 0}) for p in PROMPTS))
+        for prompt, r in zip(PROMPTS, asyncio.run(ask())):
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            assert choice["text"] == alone[prompt][0]
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone[prompt][2], abs=1e-4)
+        assert _stop(proc) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

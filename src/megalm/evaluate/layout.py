@@ -21,8 +21,9 @@ import dataclasses
 import os
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,14 +66,19 @@ class LayoutModel:
         return read(output, batch) if read is not None else output
 
     @torch.no_grad()
-    def __call__(self, *inputs: torch.Tensor, cache=None, start: int = 0):
-        if cache is not None or start:
-            raise RuntimeError("a model at a layout keeps no KV cache: call it on the whole prefix")  # a bug
+    def __call__(self, *inputs: torch.Tensor, cache=None, start: int = 0, **rows):
+        """The whole model's output. `rows` (positions, attention_mask) and a `cache` that writes at
+        them: the serving engine's per-rank slot cache (megalm.serve.engine), which every rank of the
+        layout keeps for its own heads and layers; a KVCache of the single-process kind is refused."""
+        if (cache is not None and not rows) or start:
+            raise RuntimeError("a model at a layout keeps no KVCache: call it on the whole prefix")  # a bug
+        if cache is not None:
+            rows["cache"] = cache
         if self.pp == 1:
-            return self._whole(self.module(*inputs))
+            return self._whole(self.module(*inputs, **rows))
         from megalm.parallel.pipeline import _recv, _send
         x = inputs if self.stage == 0 else _recv(self.owners[self.stage - 1], self.pp_group)
-        out = self.module(*(x if isinstance(x, tuple) else (x,)), part=self.part)
+        out = self.module(*(x if isinstance(x, tuple) else (x,)), part=self.part, **rows)
         last = self.owners[-1]
         if self.stage < self.pp - 1:
             _send(out, self.owners[self.stage + 1], self.pp_group)
@@ -137,19 +143,22 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int
     return cfg, LayoutModel(module.eval(), layout, mesh), load_tokenizer(run_dir), state
 
 
-def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None,
+             **kwargs: Any) -> Any:
     """fn(*args, **kwargs) on `world` ranks joined in one process group (gloo, or NCCL when `on` is a
     CUDA device); rank 0's result. Under a launcher (RANK in the environment) this process is one of
-    the ranks and joins their group."""
+    the ranks and joins their group. `timeout_s`: how long a collective may wait (None: torch's
+    default; a server's ranks wait for requests as long as it runs)."""
     if dist.is_initialized():
         return fn(*args, **kwargs)
     backend = "nccl" if torch.device(on).type == "cuda" else "gloo"
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ConfigError(f"the launcher started {os.environ['WORLD_SIZE']} ranks; --tp x --pp = {world}")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **timeout)
         try:
             return fn(*args, **kwargs)
         finally:
@@ -159,7 +168,7 @@ def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, **kwargs: 
     queue = ctx.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="megalm-eval-") as tmp:
         procs = [ctx.Process(target=_rank, args=(r, world, backend, os.path.join(tmp, "store"), queue, fn, args,
-                                                 kwargs)) for r in range(world)]
+                                                 kwargs, timeout)) for r in range(world)]
         for p in procs:
             p.start()
         reports: Dict[int, Tuple[str, Any]] = {}
@@ -195,7 +204,7 @@ def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, **kwargs: 
     return reports[0][1]
 
 
-def _rank(rank: int, world: int, backend: str, store_path: str, queue, fn, args, kwargs) -> None:
+def _rank(rank: int, world: int, backend: str, store_path: str, queue, fn, args, kwargs, timeout) -> None:
     import traceback
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world)
@@ -203,7 +212,8 @@ def _rank(rank: int, world: int, backend: str, store_path: str, queue, fn, args,
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+        dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                                **timeout)
         queue.put((rank, "ok", fn(*args, **kwargs)))
     except MegalmError as e:
         queue.put((rank, "megalm", e))

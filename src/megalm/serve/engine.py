@@ -105,13 +105,65 @@ class _Rows:
         return self.cache.k[layer][self.slots, :, :self.end], self.cache.v[layer][self.slots, :, :self.end]
 
 
+def slot_cache(model, slots: int, seq_length: int) -> SlotKVCache:
+    """The slots' cache for this rank's model: its own key/value heads under tensor parallelism (every
+    layer's entry is made; a pipeline stage fills its own layers' only)."""
+    cfg, p = model.cfg, next(model.parameters())
+    tp = getattr(model, "tp", 1)
+    return SlotKVCache(cfg.num_layers, slots, cfg.kv_heads // tp, seq_length, cfg.head_dim, p.device, p.dtype)
+
+
+class Ranks:
+    """Rank 0's engine tells the other ranks of a tp / pp layout each forward it runs (the tokens,
+    slots and start positions), so that every rank runs the same forwards in the same order; the
+    others `follow`. Only rank 0 takes requests, so no rank waits for a request another never saw."""
+
+    FORWARD, STOP = 0, 1
+
+    def __init__(self, device):
+        import torch.distributed as dist
+        self.dist, self.device = dist, device
+
+    def _send(self, *tensors: torch.Tensor) -> None:
+        for t in tensors:
+            self.dist.broadcast(t, src=0)
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, starts: torch.Tensor) -> None:
+        self._send(torch.tensor([self.FORWARD, *tokens.shape], device=self.device), tokens.contiguous(), slots, starts)
+
+    def stop(self) -> None:
+        self._send(torch.tensor([self.STOP, 0, 0], device=self.device))
+
+    def follow(self, model, slots: int, seq_length: int) -> int:
+        """On a rank other than 0: run rank 0's forwards until it stops; how many were run."""
+        cache = slot_cache(model, slots, seq_length)
+        count = 0
+        with torch.no_grad():
+            while True:
+                head = torch.empty(3, dtype=torch.long, device=self.device)
+                self.dist.broadcast(head, src=0)
+                kind, b, t = head.tolist()
+                if kind == self.STOP:
+                    return count
+                tokens = torch.empty(b, t, dtype=torch.long, device=self.device)
+                slot_ids = torch.empty(b, dtype=torch.long, device=self.device)
+                starts = torch.empty(b, dtype=torch.long, device=self.device)
+                self._send(tokens, slot_ids, starts)
+                rows = cache.rows(slot_ids, starts, t)
+                model(tokens, cache=rows, positions=rows.positions, attention_mask=rows.mask())
+                count += 1
+
+
 class Engine:
     """Continuous batching over `model` (a single-process decoder built by megalm.generate's loader)."""
 
-    def __init__(self, model, tokenizer, *, seq_length: int, slots: int = 8, max_queue: int = 64, seed: int = 0):
+    def __init__(self, model, tokenizer, *, seq_length: int, slots: int = 8, max_queue: int = 64, seed: int = 0,
+                 ranks: Optional["Ranks"] = None):
+        """`model`: a single-process decoder, or this rank's LayoutModel (megalm.evaluate.layout) with
+        `ranks` telling the other ranks of the layout each forward to run alongside."""
         if slots < 1 or max_queue < 1:
             raise ValueError(f"slots={slots} and max_queue={max_queue} must be at least 1")
-        self.model, self.tokenizer = model.eval(), tokenizer
+        self.model, self.tokenizer, self.ranks = model.eval(), tokenizer, ranks
         self.seq_length, self.slots, self.max_queue = seq_length, slots, max_queue
         cfg = model.cfg
         # Log-probabilities over the model's vocabulary, as training's loss takes them (its padding rows
@@ -119,7 +171,7 @@ class Engine:
         self.model_vocab, self.tokens = cfg.vocab_size, tokenizer.vocab_size
         p = next(model.parameters())
         self.device = p.device
-        self.cache = SlotKVCache(cfg.num_layers, slots, cfg.kv_heads, seq_length, cfg.head_dim, p.device, p.dtype)
+        self.cache = slot_cache(model, slots, seq_length)
         self.waiting: Deque[Request] = collections.deque()
         self.active: Dict[int, Request] = {}
         self.lengths = [0] * slots  # positions held in each slot's cache
@@ -166,6 +218,8 @@ class Engine:
             self.stopping = True
             self.cond.notify()
         self.thread.join(timeout)
+        if self.ranks is not None:
+            self.ranks.stop()
 
     # -- the worker --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -197,8 +251,10 @@ class Engine:
                     r.emit("error", f"{type(e).__name__}: {e}", None, None)
 
     def _logits(self, tokens: torch.Tensor, slots: List[int], starts: List[int]) -> torch.Tensor:
-        rows = self.cache.rows(torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device),
-                               tokens.shape[1])
+        slots_t, starts_t = torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device)
+        if self.ranks is not None:
+            self.ranks.forward(tokens, slots_t, starts_t)
+        rows = self.cache.rows(slots_t, starts_t, tokens.shape[1])
         logits = self.model(tokens, cache=rows, positions=rows.positions, attention_mask=rows.mask())
         return logits[..., :self.model_vocab].float()  # padded vocabulary rows are not tokens
 
