@@ -1,4 +1,5 @@
-"""The conf/ tree travels inside the wheel, and an installed wheel finds it."""
+"""The conf/ tree (and the server's playground page) travel inside the wheel, and an installed wheel
+finds the conf/ tree."""
 
 import subprocess
 import sys
@@ -16,6 +17,7 @@ def test_wheel_carries_conf_and_finds_it(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     shipped = {f"megalm/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped and shipped <= names
+    assert "megalm/serve/playground.html" in names  # the server's page is read from the installed package
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     out = subprocess.run(

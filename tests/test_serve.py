@@ -256,3 +256,47 @@ def test_a_layout_serves_what_one_process_does(run, alone, layout):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_playground_streams_a_completion_in_a_real_browser(server, alone, tmp_path):
+    """Debian's Chromium, headless, through chromedriver: type a prompt, press Generate, and watch
+    the completion arrive in pieces until it is the greedy completion of that prompt."""
+    import shutil
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        pytest.skip("Debian's chromium and chromium-driver are not installed (apt-get install chromium chromium-driver)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu", "--window-size=1000,900"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
+    try:
+        driver.get(server + "/")
+        WebDriverWait(driver, 60).until(lambda d: "model:" in d.find_element(By.ID, "model").text)
+        box = driver.find_element(By.ID, "prompt")
+        box.clear()
+        box.send_keys("def f(x):")
+        for field, value in (("max_tokens", "12"), ("temperature", "0")):
+            el = driver.find_element(By.ID, field)
+            el.clear()
+            el.send_keys(value)
+        driver.find_element(By.ID, "generate").click()
+        seen = []
+        want = alone["def f(x):"][0]
+
+        def progressed(d):
+            text = d.find_element(By.ID, "completion").get_attribute("textContent")
+            if not seen or seen[-1] != text:
+                seen.append(text)
+            return d.find_element(By.ID, "status").text.startswith("done")
+        WebDriverWait(driver, 120, poll_frequency=0.01).until(progressed)
+        final = driver.find_element(By.ID, "completion").get_attribute("textContent")
+        status = driver.find_element(By.ID, "status").text  # "done (length): N pieces in S s"
+        assert final == want and all(want.startswith(text) for text in seen)  # it grew by pieces of the completion
+        assert status.startswith("done (") and int(status.split(": ")[1].split()[0]) > 1  # streamed, not one blob
+        assert driver.save_screenshot(str(tmp_path / "playground.png"))
+    finally:
+        driver.quit()

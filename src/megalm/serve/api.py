@@ -11,7 +11,8 @@
   server-sent events. Every prompt is read as a document, after the end-of-document token, as
   training saw it; chat messages are written with the run's data.chat_template and the reply is
   generated after the assistant's part of it.
-- `GET /v1/models`, `GET /health` (the engine's load).
+- `GET /v1/models`, `GET /health` (the engine's load), and `GET /`: a playground page (a prompt,
+  sampling settings, the completion streamed in as it comes).
 
 A request that is not valid JSON, has a field of the wrong type or out of range, a field the
 endpoint does not take, or a prompt that leaves no room for the tokens asked is answered 400 with
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from importlib import resources
 import re
 import time
 import uuid
@@ -32,7 +34,7 @@ from megalm.serve.engine import Engine, QueueFull, Request, Sampling
 try:
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator
 except ImportError as e:  # the optional extra
     from megalm.errors import ConfigError
@@ -389,5 +391,12 @@ def create_app(server: Server) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": server.model_name, **server.engine.load()}
+
+    playground = (resources.files("megalm.serve") / "playground.html").read_text(encoding="utf-8")
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page():
+        """The playground: a prompt, sampling settings, and the completion streamed as it comes."""
+        return playground
 
     return app
