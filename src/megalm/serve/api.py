@@ -52,7 +52,14 @@ def _error(message: str, param: Optional[str], status: int, kind: str = "invalid
 
 
 class _Strict(BaseModel):
+    """Fields of the declared types only (no coercion of "4" to 4) and no fields beyond them."""
     model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("temperature", "top_p", mode="before", check_fields=False)
+    @classmethod
+    def _number(cls, v):
+        """JSON has one number type: 1 is as good a temperature as 1.0."""
+        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 class MegatronRequest(_Strict):
@@ -66,11 +73,6 @@ class MegatronRequest(_Strict):
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     random_seed: int = -1
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _number(cls, v):
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 class CompletionRequest(_Strict):
@@ -86,11 +88,6 @@ class CompletionRequest(_Strict):
     echo: bool = False
     seed: Optional[int] = None
     user: Optional[str] = None
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _number(cls, v):
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 class Message(_Strict):
@@ -111,11 +108,6 @@ class ChatRequest(_Strict):
     logprobs: bool = False
     seed: Optional[int] = None
     user: Optional[str] = None
-
-    @field_validator("temperature", "top_p", mode="before")
-    @classmethod
-    def _number(cls, v):
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
 
 
 def _stops(stop: Optional[Union[str, List[str]]]) -> List[str]:
