@@ -142,18 +142,35 @@ class Server:
             raise BadRequest(f"the server is busy: {e}; retry later", None, 503) from None
         return req, events
 
+    def _start_all(self, jobs) -> list:
+        """Submit (prompt, sampling) jobs; when one cannot be queued, withdraw those already queued."""
+        started: list = []
+        try:
+            for prompt, sampling in jobs:
+                started.append(self._start(prompt, sampling))
+        except BadRequest:
+            for req, _ in started:
+                self.engine.cancel(req)
+            raise
+        return started
+
+    async def _finish_all(self, started) -> List[str]:
+        """Wait for every request; their finish reasons. If the client goes away, withdraw them all."""
+        try:
+            return [await self._finish(req, events) for req, events in started]
+        except BaseException:
+            for req, _ in started:
+                self.engine.cancel(req)
+            raise
+
     async def _finish(self, req: Request, events: asyncio.Queue) -> str:
         """Wait for the request to end; its finish reason."""
-        try:
-            while True:
-                kind, value, _, _ = await events.get()
-                if kind == "done":
-                    return str(value)
-                if kind == "error":
-                    raise BadRequest(f"generation failed: {value}", None, 500)
-        except asyncio.CancelledError:
-            self.engine.cancel(req)
-            raise
+        while True:
+            kind, value, _, _ = await events.get()
+            if kind == "done":
+                return str(value)
+            if kind == "error":
+                raise BadRequest(f"generation failed: {value}", None, 500)
 
     # -- Megatron ----------------------------------------------------------------------------------
     async def megatron(self, body: MegatronRequest) -> Dict[str, Any]:
@@ -168,28 +185,18 @@ class Server:
                                  "end-of-document token", "prompts")
             self._check_room(prompt, body.tokens_to_generate, "tokens_to_generate")
             runs.append(prompt)
-        started = []
-        for prompt in runs:
-            sampling = Sampling(max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
-                                top_p=body.top_p if body.top_p > 0 else 1.0, stop=stops,
-                                seed=body.random_seed if body.random_seed >= 0 else None,
-                                prompt_logprobs=body.logprobs)
-            started.append(self._start(prompt, sampling))
-        for req, events in started:
-            await self._finish(req, events)
-        reqs = [r for r, _ in started]
-        return self._megatron_answer(runs, [r.tokens for r in reqs], [r.logprobs for r in reqs],
-                                     [r.prompt_logprobs for r in reqs], body.logprobs, [r.text for r in reqs])
-
-    def _megatron_answer(self, prompts, generated, gen_logprobs, prompt_logprobs, logprobs: bool,
-                         texts: Optional[List[str]] = None) -> Dict[str, Any]:
+        started = self._start_all(
+            (prompt, Sampling(max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
+                              top_p=body.top_p if body.top_p > 0 else 1.0, stop=stops,
+                              seed=body.random_seed if body.random_seed >= 0 else None, prompt_logprobs=body.logprobs))
+            for prompt in runs)
+        await self._finish_all(started)
         out: Dict[str, Any] = {"text": [], "segments": []}
-        for k, (p, g) in enumerate(zip(prompts, generated)):
-            body = self.tok.decode(p) + (texts[k] if texts is not None else self.tok.decode(g))
-            out["text"].append(body)
-            out["segments"].append([self.tok.decode([t]) for t in p + g])
-        if logprobs:
-            out["logprobs"] = [list(pl) + list(gl) for pl, gl in zip(prompt_logprobs, gen_logprobs)]
+        for prompt, (r, _) in zip(runs, started):  # Megatron's answer: each prompt followed by its generation
+            out["text"].append(self.tok.decode(prompt) + r.text)
+            out["segments"].append([self.tok.decode([t]) for t in prompt + r.tokens])
+        if body.logprobs:
+            out["logprobs"] = [list(r.prompt_logprobs) + list(r.logprobs) for r, _ in started]
         return out
 
     # -- OpenAI ------------------------------------------------------------------------------------
@@ -207,16 +214,16 @@ class Server:
         for ids in encoded:
             self._check_room(ids, body.max_tokens, "max_tokens")
         jobs = [(i * body.n + j, p, ids) for i, (p, ids) in enumerate(zip(prompts, encoded)) for j in range(body.n)]
-        started = [self._start(ids, self._sampling(body.max_tokens, body.temperature, body.top_p, stops, body.seed,
-                                                   index % body.n, body.echo and body.logprobs is not None))
-                   for index, _, ids in jobs]
+        started = self._start_all((ids, self._sampling(body.max_tokens, body.temperature, body.top_p, stops, body.seed,
+                                                       index % body.n, body.echo and body.logprobs is not None))
+                                  for index, _, ids in jobs)
         cid, model = f"cmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
         if body.stream:
             return StreamingResponse(self._stream_completions(cid, model, jobs, started, body.echo),
                                      media_type="text/event-stream")
         choices, completion_tokens = [], 0
-        for (index, text, ids), (req, events) in zip(jobs, started):
-            reason = await self._finish(req, events)
+        reasons = await self._finish_all(started)
+        for (index, text, ids), (req, _), reason in zip(jobs, started, reasons):
             completion_tokens += len(req.tokens)
             choice = {"text": (text if body.echo else "") + req.text, "index": index, "logprobs": None,
                       "finish_reason": reason}
@@ -285,14 +292,14 @@ class Server:
         _, after = template_parts(self.chat_template, "assistant")
         user_before, _ = template_parts(self.chat_template, "user")
         stops = _stops(body.stop) + [after + user_before]  # the next turn's opening ends the reply
-        started = [self._start(prompt, self._sampling(max_tokens, body.temperature, body.top_p, stops, body.seed, j))
-                   for j in range(body.n)]
+        started = self._start_all((prompt, self._sampling(max_tokens, body.temperature, body.top_p, stops, body.seed, j))
+                                  for j in range(body.n))
         cid, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
         if body.stream:
             return StreamingResponse(self._stream_chat(cid, model, started, after), media_type="text/event-stream")
         choices, completion_tokens = [], 0
-        for j, (req, events) in enumerate(started):
-            reason = await self._finish(req, events)
+        reasons = await self._finish_all(started)
+        for j, ((req, _), reason) in enumerate(zip(started, reasons)):
             completion_tokens += len(req.tokens)
             content = req.text[:-len(after)] if after and req.text.endswith(after) else req.text
             choice: Dict[str, Any] = {"index": j, "message": {"role": "assistant", "content": content},

@@ -233,6 +233,9 @@ class Engine:
                 free = [s for s in range(self.slots) if s not in self.active]
                 while free and self.waiting:
                     r = self.waiting.popleft()
+                    if r.cancelled:  # withdrawn while it waited
+                        r.emit("done", "cancelled", None, None)
+                        continue
                     r.slot = free.pop(0)
                     self.active[r.slot] = r
                     admitted.append(r)
