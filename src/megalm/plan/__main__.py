@@ -1,0 +1,3 @@
+from megalm.plan import main
+
+main()
