@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sentiment of movie-review sentences: pretrain the embedded BERT on the stdlib's docstrings,
-# fine-tune it as a two-class classifier on 160 of Pang & Lee's labelled sentences (gensim's copy),
+# fine-tune it as a two-class classifier on 160 labelled movie-review sentences (gensim's copy),
 # then score the 40 held out (accuracy, F1, Matthews). Needs the sentiment and classify extras (both
 # in the dev install). About 8 minutes on 2 cores.
 set -euo pipefail

@@ -4,7 +4,7 @@ data.task names the layout of data.paths (training) and data.valid_paths (valida
 - jsonl: {"text": str, "text_pair": str (optional), "label": int or a name of data.labels, or a
   number for a regression (model.num_labels=1)}
 - fasttext: fastText's lines, "__label__<name> text", each name one of data.labels (megalm.data.sentiment
-  writes the Pang & Lee movie-review sentences that ship with gensim in it)
+  writes the movie-review polarity sentences that ship with gensim in it)
 - GLUE's TSV files as Megatron's readers take them: mnli (sentence1, sentence2, gold_label; the
   labels contradiction, entailment, neutral), qqp (question1, question2, is_duplicate), sst2
   (sentence, label), cola (no header: source, label, original label, sentence), stsb (sentence1,

@@ -1,4 +1,4 @@
-"""Sentiment data that ships offline: the 200 labelled movie-review sentences of Pang and Lee's
+"""Sentiment data that ships offline: the 200 labelled sentences of the movie-review
 polarity data that gensim 4.4 carries in its test data (`pang_lee_polarity.cor`, fastText's
 "__label__neg|pos text" lines; the `megalm[sentiment]` extra).
 
