@@ -171,6 +171,7 @@ def test_layout_too_big_for_this_machine_names_the_numbers(monkeypatch):
     msg = str(e.value)
     assert "tp(8) * pp(16) * dp(1) * cp(1) = 128 ranks" in msg
     assert "torchrun --nnodes 16 --nproc-per-node 8" in msg and "srun" in msg
+    assert "python -m megalm.plan" in msg  # what each rank would hold, worked out here
 
 
 def test_torchrun_environment_sets_the_world(monkeypatch):

@@ -76,7 +76,8 @@ def plan_world(cfg: Config) -> int:
             f"but this machine offers {have} ({where}). Launch it on a cluster, e.g. "
             f"`torchrun --nnodes {nodes} --nproc-per-node {per_node} -m megalm.train model={cfg.model.name} "
             f"parallel={p.name} cluster=torchrun_h200` on each node, or under SLURM "
-            f"`srun --nodes {nodes} --ntasks-per-node {per_node} python -m megalm.train ... cluster=slurm_h100`.")
+            f"`srun --nodes {nodes} --ntasks-per-node {per_node} python -m megalm.train ... cluster=slurm_h100`. "
+            f"To see what each rank would hold first, run `python -m megalm.plan` with the same overrides.")
     return need
 
 
