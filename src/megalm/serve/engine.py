@@ -12,6 +12,10 @@ cache, it samples from its own generator (seeded by the request), and its stop c
 own. (Float sums of a batched matmul may round differently from a single row's; greedy decoding
 picks the same tokens unless two logits tie to within that rounding.)
 
+At a tensor- or pipeline-parallel layout the engine runs on rank 0, and `Ranks` sends each of its
+forwards (tokens, slots, positions) to the other ranks, which run it on slot caches of their own
+heads and layers.
+
 Results go back through a callback per request, called from the worker thread: ("token", id,
 text so far, logprob) for each new token, then ("done", finish reason, None, None), or ("error",
 message, None, None).
@@ -155,7 +159,8 @@ class Ranks:
 
 
 class Engine:
-    """Continuous batching over `model` (a single-process decoder built by megalm.generate's loader)."""
+    """Continuous batching over `model`: a single-process decoder, or rank 0's part of one at a tp / pp
+    layout (the other ranks follow its forwards: `Ranks`)."""
 
     def __init__(self, model, tokenizer, *, seq_length: int, slots: int = 8, max_queue: int = 64, seed: int = 0,
                  ranks: Optional["Ranks"] = None):
