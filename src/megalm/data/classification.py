@@ -23,6 +23,7 @@ first; one such sequence per choice); the training order is a fresh permutation 
 from __future__ import annotations
 
 import csv
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -163,7 +164,6 @@ def _read_choice(path: Path, num_choices: int) -> List[Example]:
 
 
 def _read_race(path: Path) -> List[Example]:
-    import json
     try:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:

@@ -3,8 +3,9 @@
 `load_at_layout` builds the run's model at tp x pp x dp over the ranks of the process group and
 loads the run's latest checkpoint into it; checkpoints reshard, so the layout need not be the one
 the run trained at. dp replicas divide the work: `across_replicas` gives each a contiguous share of
-a task's items (windows, examples, prompts) and gathers the results, in order, on every rank. `LayoutModel` is called as the
-single-process model is, `model(*inputs)`, and returns the whole output on every rank: the
+a task's items (windows, examples, prompts) and gathers the results, in order, on every rank.
+`LayoutModel` is called as the single-process model is, `model(*inputs)`, and returns the whole
+output on every rank of its replica: the
 pipeline's stages run in order with plain sends and receives, the last stage gathers
 vocabulary-parallel logits over tp, and sends its output to the other stages. Every rank then runs
 the same scoring code on the same numbers (sampling included: the generators are seeded alike);
@@ -155,7 +156,7 @@ def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, timeout_s:
     timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     if "RANK" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != world:
-            raise ConfigError(f"the launcher started {os.environ['WORLD_SIZE']} ranks; --tp x --pp = {world}")
+            raise ConfigError(f"the launcher started {os.environ['WORLD_SIZE']} ranks; the layout needs {world}")
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend, **timeout)

@@ -218,7 +218,6 @@ class BERT(nn.Module):
         return loss, torch.stack([v.float() for v in values])
 
 
-
 def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:
     """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual
     output projections init_std / sqrt(2 * num_layers) (Megatron's scaled init), norms 1, biases 0."""
