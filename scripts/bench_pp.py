@@ -324,6 +324,24 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
     return rows
 
 
+def planned_idle(args, schedule, m):
+    """megalm.plan's bubble for this cell: the schedule's own order simulated with each stage's FLOPs
+    (megalm.plan.formulas.stage_work) as its time, no transfer time; idle share per rank."""
+    from megalm.plan import formulas as f
+    v = SCHEDULE_V[schedule]
+    cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
+                             f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",
+                             f"trainer.global_batch_size={args.micro_batch * m}"])
+    layers = f.stage_layers(cfg, args.pp)
+    owner = f.stage_owner(schedule, args.pp, len(layers))
+    work = [f.stage_work(cfg, n, s == len(layers) - 1, 1) for s, n in enumerate(layers)]
+    flops = lambda kind, s: {"F": work[s].forward, "B": work[s].backward, "I": work[s].input_grad,  # noqa: E731
+                             "W": work[s].weight_grad}[kind]
+    sim = f.simulate(f.schedule_order(schedule, args.pp, len(layers) // args.pp, m), flops, lambda a, b: 0.0,
+                     lambda s: owner[s], len(layers))
+    return [sim.idle_share(r) for r in range(args.pp)]
+
+
 def summarize(args, ranks):
     p = args.pp
     shape = ranks[0]["shape"]
@@ -353,6 +371,11 @@ def summarize(args, ranks):
                 "idle_share": idle, "idle_over_busy": ratio, "wait_share": wait,
                 "theory_idle_share": (p - 1) / (m * v + p - 1), "theory_bubble_ratio": (p - 1) / (m * v),
                 "theory_idle_share_imbalanced": [1 - b / ideal for b in busy], "ideal_s": ideal,
+                "idle_share_range": [[min(1 - b / w for b, w in zip(x["busy"], x["pipe"])),
+                                      max(1 - b / w for b, w in zip(x["busy"], x["pipe"]))] for x in per],
+                "wait_share_range": [[min(1 - c / w for c, w in zip(x["compute"], x["pipe"])),
+                                      max(1 - c / w for c, w in zip(x["compute"], x["pipe"]))] for x in per],
+                "planned_idle_share": planned_idle(args, s, m),
                 "boundaries": check_boundaries(ranks, s, m, act_bytes, act_shape),
                 "stages": [rk["layouts"][s]["stages"] for rk in ranks],
                 "params": [rk["layouts"][s]["params"] for rk in ranks],
@@ -400,6 +423,15 @@ def report(out, args):
         print(f"| {r['schedule']} | {r['m']} | {st} | " + " | ".join(f"{x:.3f}" for x in r["pipe_s"]) + " | "
               + " | ".join(f"{x:.3f}" for x in r["busy_s"]) + " | " + " | ".join(f"{x:.3f}" for x in r["compute_s"])
               + " | " + " | ".join(pct(x) for x in r["wait_share"]) + " |")
+    print("\nmegalm.plan's bubble (the schedule's order simulated with each stage's FLOPs as its time) against "
+          "the measured spread over rounds of the idle share and of the wait share")
+    print(f"| schedule | m | planned idle {ranks} | measured idle min-max {ranks} | wait share min-max {ranks} |")
+    print("|---|---|" + "---|" * (3 * p))
+    span = lambda lo_hi: f"{pct(lo_hi[0])}-{pct(lo_hi[1])}"  # noqa: E731
+    for r in out["results"]:
+        print(f"| {r['schedule']} | {r['m']} | " + " | ".join(pct(x) for x in r["planned_idle_share"]) + " | "
+              + " | ".join(span(x) for x in r["idle_share_range"]) + " | "
+              + " | ".join(span(x) for x in r["wait_share_range"]) + " |")
     b = out["boundary_bytes_analytic"]
     print(f"\nboundary bytes per micro-batch: analytic micro_batch x seq x hidden x 4 = "
           f"{' x '.join(map(str, out['activation_shape']))} x 4 = {b:,} B (fp32)")

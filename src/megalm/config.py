@@ -282,6 +282,24 @@ class ClusterConfig:
     here (and no peak_flops) is measured: a matmul in that precision at start-up."""
     max_restarts: int = 0
     """Restarts the elastic launcher allows after a rank fails."""
+    # What megalm.plan needs to estimate step time and memory fit (not read by training). None = unknown:
+    # the planner then leaves out what depends on it and says so.
+    memory_per_device_gb: Optional[float] = None
+    """Memory of one device in GB (1e9 bytes), for the planner's fit check."""
+    memory_bandwidth: Optional[float] = None
+    """Device memory bandwidth in bytes/s (the optimizer step is bound by it)."""
+    intra_node_bandwidth: Optional[float] = None
+    """Bytes/s one device sends to another in its node, one direction (NVLink)."""
+    inter_node_bandwidth: Optional[float] = None
+    """Bytes/s one device sends across nodes, one direction (its share of the node's network)."""
+    intra_node_latency: float = 5e-6
+    """Seconds one message takes inside a node before its bytes count (alpha of the alpha-beta model)."""
+    inter_node_latency: float = 1e-5
+    """Seconds one message takes between nodes before its bytes count."""
+    matmul_efficiency: float = 0.7
+    """Share of the peak FLOP/s that a step's matmuls reach, for the planner's compute time."""
+    comm_efficiency: float = 0.8
+    """Share of the link bandwidth that collectives reach (NCCL's bus bandwidth over the link's)."""
 
 
 @dataclass

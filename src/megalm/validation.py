@@ -178,8 +178,18 @@ def validate(cfg: Config, world_size: int) -> None:
         if precision not in CHOICES["trainer.precision"] or not peak > 0:
             raise ConfigError(f"cluster.peak_flops_per_dtype.{precision}={peak}: keys are "
                               f"{', '.join(CHOICES['trainer.precision'])}, values positive FLOP/s")
-    if cfg.cluster.peak_flops is not None and not cfg.cluster.peak_flops > 0:
-        raise ConfigError(f"cluster.peak_flops={cfg.cluster.peak_flops} must be positive (or null)")
+    c = cfg.cluster
+    for key in ("peak_flops", "memory_per_device_gb", "memory_bandwidth", "intra_node_bandwidth",
+                "inter_node_bandwidth"):
+        value = getattr(c, key)
+        if value is not None and not value > 0:
+            raise ConfigError(f"cluster.{key}={value} must be positive (or null: unknown)")
+    for key in ("intra_node_latency", "inter_node_latency"):
+        if not getattr(c, key) >= 0:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must not be negative (seconds)")
+    for key in ("matmul_efficiency", "comm_efficiency"):
+        if not 0 < getattr(c, key) <= 1:
+            raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1]: a share of the peak")
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     split_weights(cfg.data.split)
