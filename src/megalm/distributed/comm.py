@@ -45,7 +45,8 @@ class CommStats:
     """Collectives issued through this module while a `count_comm()` block is open.
 
     bytes[kind] is the message each rank contributes, the figure an algorithm's cost is quoted in:
-    all_reduce → the full tensor, all_gather → the local input, reduce_scatter → the full input.
+    all_reduce → the full tensor, all_gather → the local input, reduce_scatter → the full input;
+    send / recv (the pipeline's point-to-point messages, `record_p2p`) → the tensor sent or received.
     """
     calls: Dict[str, int] = field(default_factory=dict)
     bytes: Dict[str, int] = field(default_factory=dict)
@@ -76,6 +77,20 @@ def count_comm() -> Iterator[CommStats]:
     finally:
         stats.active = False
         _STATS.reset(token)
+
+
+P2P_KINDS = ("send", "recv")
+
+
+def record_p2p(kind: str, tensor: Tensor) -> None:
+    """Count one point-to-point message of `tensor` ("send" or "recv") in the open count_comm()
+    block, if any; nothing otherwise. For messages another library issues (the pipeline schedules
+    of torch.distributed.pipelining post their own isend / irecv), so no time is recorded."""
+    if kind not in P2P_KINDS:
+        raise ValueError(f"record_p2p kind {kind!r}: use one of {P2P_KINDS}")
+    stats = _STATS.get()
+    if stats is not None:
+        stats.record(kind, _nbytes(tensor))
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.config import ParallelConfig
+from megalm.distributed.comm import record_p2p
 from megalm.models.family import Part, Parts
 from megalm.parallel.stages import MULTI_STAGE, virtual_stages_of
 
@@ -170,26 +171,46 @@ def _send(x: Union[torch.Tensor, Tuple[torch.Tensor, ...]], dst: int, group) -> 
     header = [len(tensors)]
     for t in tensors:
         header += [WIRE_DTYPES.index(t.dtype), t.dim(), *t.shape]
-    dist.send(torch.tensor([len(header)], dtype=torch.long), dst, group=group)
-    dist.send(torch.tensor(header, dtype=torch.long), dst, group=group)
-    for t in tensors:
-        dist.send(t.contiguous(), dst, group=group)
+    for t in (torch.tensor([len(header)], dtype=torch.long), torch.tensor(header, dtype=torch.long),
+              *(t.contiguous() for t in tensors)):
+        record_p2p("send", t)
+        dist.send(t, dst, group=group)
 
 
 def _recv(src: int, group) -> Union[torch.Tensor, Tuple[torch.Tensor, ...]]:
     size = torch.empty(1, dtype=torch.long)
+    record_p2p("recv", size)
     dist.recv(size, src, group=group)  # the header's length: a first, fixed-size message
     header_t = torch.empty(int(size), dtype=torch.long)
+    record_p2p("recv", header_t)
     dist.recv(header_t, src, group=group)
     header = header_t.tolist()
     tensors, i = [], 1
     for _ in range(header[0]):
         dtype, ndim = WIRE_DTYPES[header[i]], header[i + 1]
         t = torch.empty(tuple(header[i + 2:i + 2 + ndim]), dtype=dtype)
+        record_p2p("recv", t)
         dist.recv(t, src, group=group)
         tensors.append(t)
         i += 2 + ndim
     return tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def count_stage_p2p(stage) -> None:
+    """Make the point-to-point messages the schedule posts for `stage` visible to count_comm()
+    (kinds "send" / "recv"). torch.distributed.pipelining's schedules issue them as isend / irecv
+    ops, built by the stage's get_{fwd,bwd}_{send,recv}_ops once per message batch; each op is
+    recorded as it is built, which is just before it is posted. Outside a count_comm() block the
+    wrappers only pass the ops through. (Messages between two stages of one rank, ZBV's turn of
+    the V, are handed over in memory and never built as ops.)"""
+    for name, kind in (("get_fwd_send_ops", "send"), ("get_bwd_send_ops", "send"),
+                       ("get_fwd_recv_ops", "recv"), ("get_bwd_recv_ops", "recv")):
+        def counted(chunk_id, _build=getattr(stage, name), _kind=kind):
+            ops = _build(chunk_id)
+            for op in ops:
+                record_p2p(_kind, op.tensor)
+            return ops
+        setattr(stage, name, counted)  # on the instance: the schedule calls it by name
 
 
 def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_microbatches: int, device) -> Pipeline:
@@ -201,6 +222,8 @@ def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_micro
     stage_ranges, stage_ids, num_stages = layout.stage_ranges, layout.stage_ids, layout.num_stages
     stages = [pl.PipelineStage(StageView(model, parts, stage_ranges[s], s == 0, s == num_stages - 1), s, num_stages,
                                device, group=group) for s in stage_ids]
+    for stage in stages:
+        count_stage_p2p(stage)
     pp_ranks = dist.get_process_group_ranks(group)  # global ranks by pp rank
     pp = len(pp_ranks)
     name = cfg.pipeline_schedule

@@ -1,0 +1,204 @@
+"""megalm.plan.collectives against real training steps: on every rank of each layout, the collectives a
+step issues (count_comm: calls and bytes per kind; the scalars sent through torch.distributed directly,
+recorded here) equal step_collectives exactly, and the model state measured right after the optimizer
+step equals exact_model_state_bytes exactly, padding included.
+
+One launch of 2 ranks runs every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel
+with ZeRO-1, then ZeRO-3); the single process runs here. Each layout runs a step first (the pipeline's shape inference, the buckets learning how many
+accumulations a step makes) and is measured in its second.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=8", "trainer.num_threads=1", "trainer.progress_bar=false",
+        "checkpoint.save=false", "parallel.bucket_size_mb=0.02"]  # ~5k-element buckets: several per rank
+LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
+         "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2"]
+# Odd widths and a bucket per parameter: buckets of odd length, padded to a multiple of dp.
+ODD = ["model.hidden_size=33", "model.num_attention_heads=3", "parallel.bucket_size_mb=0.0001"]
+TWO_RANKS = [
+    ["parallel=tp2"],
+    ["parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
+    # RoPE: the embedding reduce-scatters into sequence shards; bf16: row-parallel sums in 2 bytes;
+    # full recomputation with dropout replays both of a layer's g.
+    ["parallel=tp2", "parallel.sequence_parallel=true", *LLAMA, "trainer.precision=bf16", "parallel.recompute=full",
+     "model.dropout=0.1"],
+    # no dropout: recomputation stops before the MLP's g; fp16: the overflow vote
+    ["parallel=tp2", "parallel.recompute=full", "parallel.recompute_num_layers=1", "trainer.precision=fp16",
+     "trainer.loss_scale=128"],
+    ["parallel=tp2", "parallel.recompute=selective", "model.attention_dropout=0.1"],
+    ["parallel=pp2", "parallel.pipeline_schedule=gpipe", "parallel.layers_per_stage=[1,3]"],
+    ["parallel=pp2", "parallel.pipeline_schedule=1f1b"],
+    ["parallel=pp2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2"],
+    ["parallel=pp2", "parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2", *LLAMA],
+    ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"],
+    # ZeRO-3 over a dp group of one: its gathers still run, across two stages of a rank in turn
+    ["parallel=pp2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2",
+     "parallel.zero_stage=3"],
+    ["parallel=dp2", "parallel.zero_stage=0", *ODD],
+    ["parallel=dp2", "parallel.zero_stage=1", *ODD],
+    ["parallel=dp2", "parallel.zero_stage=2", *LLAMA],
+    ["parallel=dp2", "parallel.zero_stage=3", *ODD, "parallel.recompute=full", "model.dropout=0.1"],
+]
+EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
+               ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA]]
+
+
+def _compose(overrides):
+    from megalm.plan import compose
+    return compose([*BASE, *overrides])
+
+
+def _step_on_this_rank(world, overrides):
+    """Build the run as megalm.training.job.run does, take two trainer steps and measure the second:
+    (count_comm's calls and bytes, the collectives issued through torch.distributed directly, the model
+    state right after the optimizer step)."""
+    import sys
+    import tempfile
+    from pathlib import Path
+    import torch
+    import torch.distributed as dist
+    from megalm.data import build_data, build_data_tokenizer, num_samples_for
+    from megalm.distributed.comm import count_comm
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.parallel.data import build_data_parallel
+    from megalm.training.checkpoint import Checkpointer
+    from megalm.training.memory import measured_model_state_bytes
+    from megalm.training.metrics import Throughput
+    from megalm.training.optim import LRSchedule, build_optimizer
+    from megalm.training.trainer import Trainer
+    cfg, _ = _compose(overrides)
+    t, device = cfg.trainer, torch.device("cpu")
+    torch.manual_seed(t.seed)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    mesh = build_mesh(dims, "cpu")
+    tokenizer = build_data_tokenizer(cfg.data)
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
+                      num_samples=num_samples_for(2, t.global_batch_size, 0, 1))
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    materialize(model, device)
+    init_weights(model, cfg.model, t.seed)
+    pipeline = None
+    if dims.pp > 1:
+        from megalm.parallel.pipeline import build_pipeline
+        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
+                                  t.global_batch_size // (t.micro_batch_size * dims.dp), device)
+    dp = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    optimizer = build_optimizer(cfg.optimizer, model, dp)
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer = Trainer(t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, 2), data=data,
+                          checkpointer=Checkpointer(cfg.checkpoint, Path(tmp)), mesh=mesh, layout=layout,
+                          pipeline=pipeline, data_parallel=dp, throughput=Throughput(1.0, 1.0, world), device=device)
+        trainer.train_step()
+        state = {}
+        step = optimizer.step
+
+        def step_and_measure():
+            step()
+            state.update(measured_model_state_bytes(model, optimizer, dp))
+        optimizer.step = step_and_measure
+        # Collectives issued with torch.distributed itself, outside megalm's comm module.
+        direct, saved = {}, {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+
+        def recording(name):
+            def call(tensor, *args, **kwargs):
+                if not sys._getframe(1).f_code.co_filename.endswith("megalm/distributed/comm.py"):
+                    entry = direct.setdefault(name, {"calls": 0, "bytes": 0})
+                    entry["calls"] += 1
+                    entry["bytes"] += tensor.numel() * tensor.element_size()
+                return saved[name](tensor, *args, **kwargs)
+            return call
+        try:
+            for name in saved:
+                setattr(dist, name, recording(name))
+            with count_comm() as stats:
+                trainer.train_step()
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+    recorded = {k: {"calls": stats.calls[k], "bytes": stats.bytes[k]} for k in stats.calls}
+    return recorded, direct, {k: state[k] for k in ("weights", "grads", "optimizer")}
+
+
+def _layouts(rank, world, layouts):
+    """Every layout in turn on this set of ranks (starting the processes costs more than a tiny step)."""
+    return [_step_on_this_rank(world, overrides) for overrides in layouts]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """{layout index: [per rank (recorded, direct, state)]} for TWO_RANKS + EIGHT_RANKS, and "single"."""
+    out = {}
+    for offset, world, layouts in ((0, 2, TWO_RANKS), (len(TWO_RANKS), 8, EIGHT_RANKS)):
+        per_rank = run_ranks(world, _layouts, layouts, timeout=600.0)
+        for i in range(len(layouts)):
+            out[offset + i] = [r[i] for r in per_rank]
+    out["single"] = [_step_on_this_rank(1, ["parallel=single"])]
+    return out
+
+
+CASES = [(i, o) for i, o in enumerate(TWO_RANKS + EIGHT_RANKS)] + [("single", ["parallel=single"])]
+
+
+@pytest.mark.parametrize("index,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
+def test_step_collectives_and_model_state_equal_a_real_step_on_every_rank(measured, index, overrides):
+    from megalm.distributed.mesh import ParallelDims
+    from megalm.plan.collectives import (by_kind, exact_model_state_bytes, step_collectives,
+                                         untracked_collectives)
+    cfg, world = _compose(overrides)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    ranks = measured[index]
+    assert len(ranks) == world
+    for rank, (recorded, direct, state) in enumerate(ranks):
+        tp_rank, dp_rank, pp_rank = rank % dims.tp, rank // dims.tp % dims.dp, rank // (dims.tp * dims.dp)
+        where = f"rank {rank} (pp {pp_rank}, dp {dp_rank}, tp {tp_rank})"
+        planned = step_collectives(cfg, world, pp_rank, tp_rank, dp_rank)
+        untracked = untracked_collectives(cfg, world, pp_rank, tp_rank, dp_rank)
+        assert by_kind(planned, minus=untracked) == recorded, where
+        assert untracked == direct, where
+        assert exact_model_state_bytes(cfg, world, pp_rank, tp_rank, dp_rank) == state, where
+
+
+def test_what_the_layouts_exercise():
+    """The checks above cover every term: each purpose and kind appears in some planned step."""
+    from megalm.plan.collectives import step_collectives
+    seen = set()
+    for overrides in TWO_RANKS + EIGHT_RANKS:
+        planned = step_collectives(*_compose(overrides), 0, 0)
+        seen |= {(purpose, kind) for purpose, entries in planned.items() for kind in entries}
+    assert seen >= {("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("pp", "send"),
+                    ("pp", "recv"), ("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
+                    ("embedding", "all_reduce"), ("other", "all_reduce"), ("other", "broadcast")}
+
+
+def test_what_is_not_modelled_is_refused():
+    import dataclasses
+    from megalm.errors import ConfigError
+    from megalm.plan.collectives import step_collectives
+    cfg, world = _compose(["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
+                           "parallel.zero_stage=3"])
+    with pytest.raises(ConfigError, match="zero_stage=3 with pipeline_schedule=zbv"):
+        step_collectives(cfg, world, 0, 0)
+    cfg, world = _compose([])
+    classifier = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_labels=2))
+    with pytest.raises(ConfigError, match="fine-tuning head"):
+        step_collectives(classifier, world, 0, 0)
+
+
+def test_bad_arguments_are_refused():
+    import torch
+    from megalm.distributed.comm import record_p2p
+    from megalm.plan.collectives import exact_model_state_bytes
+    cfg, world = _compose(["parallel=tp2"])
+    with pytest.raises(ValueError, match=r"tp_rank=2 is outside the layout's 2"):
+        exact_model_state_bytes(cfg, world, 0, 2)
+    with pytest.raises(ValueError, match="record_p2p kind 'isend'"):
+        record_p2p("isend", torch.zeros(1))
