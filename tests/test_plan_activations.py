@@ -1,0 +1,233 @@
+"""megalm.plan.activations against what autograd really keeps for backward.
+
+Each case builds the model as training does (meta -> parallelize -> materialize -> init_weights), runs
+one warm-up step, then a measured step (the trainer's micro-batch loop, or the pipeline schedule's step)
+under torch.autograd.graph.saved_tensors_hooks. Every saved tensor is held in a small wrapper that counts
+its storage once while any saved tensor uses it (parameters and the cached RoPE tables are model state,
+not counted); the largest total during the step is the measured peak, to be within 2% (TOLERANCE) of
+the planned "peak" of the rank's pipeline position. Multi-rank cases share one set of four gloo ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+
+MODEL = ["model=gpt_tiny", "model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4",
+         "model.seq_length=64", "model.vocab_size=256"]
+COMMON = [*MODEL, "data=mock", "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
+# GPT-2 style (learned positions, LayerNorm with bias, GELU, tied head) and Llama style (RoPE, RMSNorm,
+# SwiGLU, grouped-query attention, no biases, untied head): their layers keep different tensors.
+GPT2: list = []
+LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu", "model.bias=false",
+         "model.tie_embeddings=false", "model.num_query_groups=2"]
+DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]  # CPU: dropout noise, SDPA's math path
+# Multi-rank layouts run at dp = 2 on one set of four ranks: a data-parallel replica changes no rank's
+# activations, only the micro-batches per step (global_batch / (micro_batch * dp)), which this checks too.
+TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
+PP2 = ["parallel=pp2_dp2", "trainer.global_batch_size=16"]  # 4 micro-batches
+SCHEDULES = [["parallel.pipeline_schedule=gpipe"], ["parallel.pipeline_schedule=1f1b"],
+             ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2"],
+             ["parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2"],
+             ["parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"]]
+
+SINGLE = {
+    "gpt2": GPT2, "llama": LLAMA, "gpt2-dropout": [*GPT2, *DROPOUT], "llama-dropout": [*LLAMA, *DROPOUT],
+    "gpt2-selective": [*GPT2, "parallel.recompute=selective"],
+    "llama-selective": [*LLAMA, "parallel.recompute=selective"],
+    "gpt2-dropout-selective": [*GPT2, *DROPOUT, "parallel.recompute=selective"],
+    "gpt2-full": [*GPT2, "parallel.recompute=full"], "llama-full": [*LLAMA, "parallel.recompute=full"],
+    "gpt2-full-1": [*GPT2, "parallel.recompute=full", "parallel.recompute_num_layers=1"],
+    "gpt2-bf16": [*GPT2, "trainer.precision=bf16"], "llama-bf16": [*LLAMA, "trainer.precision=bf16"],
+}
+MULTI = {
+    "gpt2-tp2": [*GPT2, *TP2], "llama-tp2": [*LLAMA, *TP2],
+    "gpt2-tp2-sp": [*GPT2, *TP2, "parallel.sequence_parallel=true"],
+    "llama-tp2-sp": [*LLAMA, *TP2, "parallel.sequence_parallel=true"],
+    "gpt2-tp2-sp-dropout": [*GPT2, *DROPOUT, *TP2, "parallel.sequence_parallel=true"],
+    **{f"gpt2-pp2-{s[0].split('=')[1]}": [*GPT2, *PP2, *s] for s in SCHEDULES},
+    "llama-pp2-1f1b-full": [*LLAMA, *PP2, "parallel.recompute=full"],
+    "llama-tp2_pp2-sp-interleaved": [*LLAMA, "parallel=tp2_pp2", "parallel.sequence_parallel=true",
+                                     "trainer.global_batch_size=8", *SCHEDULES[2]],
+}
+CASES = {**SINGLE, **MULTI}
+# The planner is asked to be within 10%; it agrees to a few parts in a thousand, so 2% is asserted:
+# a term of one h-sized tensor a token (about 1/16 of a GPT-2 layer) missing or doubled fails.
+TOLERANCE = 0.02
+
+
+def _config(overrides):
+    from megalm.plan import compose
+    return compose([*COMMON, *overrides])
+
+
+class _SavedBytes:
+    """Pack / unpack hooks that count each storage autograd saves once, while any saved tensor holds it.
+
+    The wrapper keeps a detached view: a node that saves its own output (SDPA, log-softmax) would
+    otherwise hold itself through the tensor's grad_fn, a cycle that outlives a retained graph (the
+    zero-bubble schedules' input pass) and looks like a leak that training does not have."""
+
+    def __init__(self, persistent):
+        self.persistent, self.refs, self.live, self.peak = persistent, {}, 0, 0
+
+    def pack(self, tensor):
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key[0] in self.persistent or key[1] == 0:
+            return tensor
+        return _Held(self, key, tensor.detach())  # no grad_fn: a saved output must not keep its own node alive
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+
+class _Held:
+    __slots__ = ("owner", "key", "tensor")
+
+    def __init__(self, owner, key, tensor):
+        self.owner, self.key, self.tensor = owner, key, tensor
+        count = owner.refs.get(key, 0)
+        owner.refs[key] = count + 1
+        if count == 0:
+            owner.live += key[1]
+            owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self):  # the graph node that saved the tensor is gone (its backward ran, or the graph died)
+        owner, count = self.owner, self.owner.refs[self.key] - 1
+        if count:
+            owner.refs[self.key] = count
+        else:
+            del owner.refs[self.key]
+            owner.live -= self.key[1]
+
+
+def measure(cfg, world: int) -> int:
+    """The peak of saved-for-backward bytes over one training step of this rank (after a warm-up step)."""
+    import torch
+    from megalm.data.gpt_dataset import gpt_batch
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    from megalm.parallel.pipeline import build_pipeline
+    from megalm.training.precision import autocast
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    mesh = build_mesh(dims, "cpu")
+    model = build_model(cfg.model, "meta")
+    layout = parallelize(model, mesh, cfg.parallel, seed=cfg.trainer.seed)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, cfg.model, cfg.trainer.seed)
+    model.train()
+    t = cfg.trainer
+    m = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    samples = torch.randint(0, cfg.model.vocab_size, (m * t.micro_batch_size, cfg.model.seq_length + 1),
+                            generator=torch.Generator().manual_seed(0))
+    micro = [gpt_batch(chunk) for chunk in samples.chunk(m)]
+    pipeline = None
+    if layout.pipelined:
+        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel, m, torch.device("cpu"))
+        joined = {k: torch.cat([mb[k] for mb in micro]) for k in micro[0]}
+
+    def step():
+        if pipeline is not None:
+            with autocast(t.precision, "cpu"):
+                pipeline.step(joined)
+        else:  # the trainer's accumulation loop: each micro-batch's forward and backward before the next
+            for mb in micro:
+                with autocast(t.precision, "cpu"):
+                    loss = model.loss(model(mb["tokens"]), mb) / m
+                loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # shapes inferred, RoPE tables cached
+    persistent = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    persistent |= {x.untyped_storage().data_ptr() for pair in getattr(model, "_rope", {}).values() for x in pair}
+    saved = _SavedBytes(persistent)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        step()
+    return saved.peak
+
+
+def _measure_all(rank, world, cases):
+    return [measure(_config(overrides)[0], world) for overrides in cases]
+
+
+def planned(overrides, rank):
+    """The planner's figures for global rank `rank` (tp fastest: its pp rank is rank // (tp * dp))."""
+    from megalm.plan.activations import stage_activation_bytes
+    cfg, world = _config(overrides)
+    pp_rank = rank // (world // cfg.parallel.pp)
+    return stage_activation_bytes(cfg, world, pp_rank)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Measured peaks by case name: a list with one entry per rank."""
+    out = {name: [measure(*_config(o))] for name, o in SINGLE.items()}
+    per_rank = run_ranks(4, _measure_all, list(MULTI.values()), timeout=600.0)
+    out.update({name: [r[i] for r in per_rank] for i, name in enumerate(MULTI)})
+    return out
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_planned_peak_matches_the_saved_tensors(measured, name):
+    for rank, got in enumerate(measured[name]):
+        plan = planned(CASES[name], rank)
+        print(f"{name} rank {rank}: planned {plan['peak']} measured {got} ratio {plan['peak'] / got:.3f} "
+              f"in_flight {plan['in_flight']}")
+        assert plan["peak"] == pytest.approx(got, rel=TOLERANCE), (name, rank, plan)
+
+
+def _torch_order(name, pp, rank, v, m):
+    """The compute actions torch's own schedule class lists for `rank` (its pipeline_order), without a
+    process group: the class's per-rank planner on a bare instance holding the attributes it reads."""
+    from torch.distributed.pipelining import schedules
+    cls = {"interleaved_1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble,
+           "interleaved_zb": schedules.ScheduleInterleavedZeroBubble}[name]
+    bare = object.__new__(cls)
+    rounds = max(1, m // pp)
+    bare.__dict__.update(pp_group_size=pp, n_local_stages=v, num_stages=pp * v, _n_microbatches=m,
+                         number_of_rounds=rounds, microbatches_per_round=m // rounds)
+    try:
+        actions = bare._calculate_single_rank_operations(rank)
+    except AttributeError as e:  # a private planner that changed shape in a newer torch
+        pytest.skip(f"torch's {cls.__name__} plans differently now ({e}); the measured pp2 cases still apply")
+    local = (lambda s: 0 if s == rank else 1) if name == "zbv" else (lambda s: s // pp)
+    return [(a.computation_type.value, local(a.stage_index), a.microbatch_index) for a in actions if a is not None]
+
+
+@pytest.mark.parametrize("name", ["interleaved_1f1b", "interleaved_zb", "zbv"])
+def test_schedule_orders_are_torchs(name):
+    """The planner's order of forwards and backwards is the one torch runs, beyond the measured pp2."""
+    from megalm.plan.activations import schedule_actions
+    for pp in (2, 3, 4, 8):
+        for v in ((2,) if name == "zbv" else (2, 3)):
+            for m in (pp, 2 * pp, 3 * pp):
+                for rank in range(pp):
+                    ours = schedule_actions(name, pp, rank, v, m)
+                    assert ours == _torch_order(name, pp, rank, v, m), (pp, v, m, rank)
+
+
+def test_in_flight_follows_the_schedule():
+    """1F1B holds pp - rank micro-batches, GPipe all m, the interleaved schedule Megatron's warm-up + 1 forwards."""
+    got = {name: [planned(CASES[name], r)["in_flight"] for r in (0, 2)] for name in CASES if "-pp2-" in name}
+    assert got["gpt2-pp2-gpipe"] == [4, 4] and got["gpt2-pp2-1f1b"] == [2, 1]
+    assert got["gpt2-pp2-interleaved_1f1b"] == [(2 * 1 + 2 + 1) / 2, (2 + 1) / 2]
+    assert got["gpt2-pp2-interleaved_zb"] == [2, 2] and got["gpt2-pp2-zbv"] == [2, 2]
+
+
+def test_bad_inputs_are_clear_errors():
+    from megalm.errors import ConfigError
+    from megalm.plan.activations import layer_activation_bytes, stage_activation_bytes
+    cfg, world = _config([*PP2])
+    with pytest.raises(ValueError, match=r"pp_rank=2 is outside the pipeline of parallel.pp=2"):
+        stage_activation_bytes(cfg, world, 2)
+    with pytest.raises(ValueError, match="device='tpu'"):
+        layer_activation_bytes(cfg, world, device="tpu")
+    with pytest.raises(ConfigError, match="recompute=some"):
+        layer_activation_bytes(cfg, world, recompute="some")
+    import dataclasses
+    with pytest.raises(ConfigError, match="gpt family"):
+        layer_activation_bytes(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch="bert")), world)
