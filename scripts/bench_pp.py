@@ -325,21 +325,14 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
 
 
 def planned_idle(args, schedule, m):
-    """megalm.plan's bubble for this cell: the schedule's own order simulated with each stage's FLOPs
-    (megalm.plan.formulas.stage_work) as its time, no transfer time; idle share per rank."""
-    from megalm.plan import formulas as f
+    """megalm.plan's bubble for this cell (megalm.plan.formulas.compute_bubble): the schedule's order
+    simulated with each stage's FLOPs as its time, no transfer time; idle share per rank."""
+    from megalm.plan.formulas import compute_bubble
     v = SCHEDULE_V[schedule]
     cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
                              f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",
                              f"trainer.global_batch_size={args.micro_batch * m}"])
-    layers = f.stage_layers(cfg, args.pp)
-    owner = f.stage_owner(schedule, args.pp, len(layers))
-    work = [f.stage_work(cfg, n, s == len(layers) - 1, 1) for s, n in enumerate(layers)]
-    flops = lambda kind, s: {"F": work[s].forward, "B": work[s].backward, "I": work[s].input_grad,  # noqa: E731
-                             "W": work[s].weight_grad}[kind]
-    sim = f.simulate(f.schedule_order(schedule, args.pp, len(layers) // args.pp, m), flops, lambda a, b: 0.0,
-                     lambda s: owner[s], len(layers))
-    return [sim.idle_share(r) for r in range(args.pp)]
+    return list(compute_bubble(cfg, args.pp, m).values())
 
 
 def summarize(args, ranks):

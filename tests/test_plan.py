@@ -4,6 +4,7 @@ real two-rank runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -72,9 +73,134 @@ def test_cli_table_and_json():
             "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
     table = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
-    assert "gpt_tiny at tp1 pp2 dp1 (2 ranks)" in table.stdout and "model state GB" in table.stdout
+    assert "gpt_tiny at tp1 pp2 dp1 (2 ranks, 1f1b x1)" in table.stdout and "model state kB" in table.stdout
+    assert "No step time on cluster=local" in table.stdout  # the local profile gives no peak or bandwidth
     out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300).stdout)
     assert [q["stage"] for q in out["positions"]] == [0, 1]
     bad = subprocess.run([sys.executable, "-m", "megalm.plan", "model=gpt_tiny", "parallel.tp=3"], capture_output=True,
                          text=True, timeout=300)
     assert bad.returncode != 0 and "megalm.plan" in bad.stderr and "tp" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules, step time, search
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (4, 12)])
+def test_simulated_bubble_is_megatrons_with_equal_stages(schedule, v, pp, m):
+    """Equal stages, backward twice forward, no transfer time: every rank idles (p - 1) / (m v + p - 1)
+    of the step (arXiv:2104.04473 sec. 2.2), under the order torch's schedule runs."""
+    from megalm.plan import formulas as f
+    order = f.schedule_order(schedule, pp, v, m)
+    owner = f.stage_owner(schedule, pp, pp * v)
+    assert sorted(a for acts in order.values() for a in acts) == sorted(
+        (k, s, i) for k in "FB" for s in range(pp * v) for i in range(m))  # each action once
+    sim = f.simulate(order, lambda kind, s: (1.0 if kind == "F" else 2.0) / v, lambda a, b: 0.0,
+                     lambda s: owner[s], pp * v)
+    assert sim.step_seconds == pytest.approx(3.0 * (m + (pp - 1) / v))
+    for r in range(pp):
+        assert sim.idle_share(r) == pytest.approx((pp - 1) / (m * v + pp - 1))
+
+
+def test_zero_bubble_schedules_idle_less_and_transfers_lengthen_the_step():
+    from megalm.plan import formulas as f
+    pp, m = 4, 8
+    split = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
+    base = f.bubble_equal_stages(pp, m, 2)
+    for schedule in ("interleaved_zb", "zbv"):
+        order = f.schedule_order(schedule, pp, 2, m)
+        assert {k for acts in order.values() for k, _, _ in acts} == {"F", "I", "W"}
+        owner = f.stage_owner(schedule, pp, 2 * pp)
+        sim = f.simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.0, lambda s: owner[s], 2 * pp)
+        assert max(sim.idle_share(r) for r in range(pp)) < base / 2
+        slow = f.simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.25, lambda s: owner[s], 2 * pp)
+        assert slow.step_seconds > sim.step_seconds
+
+
+def test_collective_times_follow_the_ring_factors():
+    """Ring collectives over p ranks put 2(p-1)/p (all-reduce) or (p-1)/p (reduce-scatter of the full input,
+    all-gather of the full output) of the buffer on each link (nccl-tests' bus bandwidth factors)."""
+    from megalm.plan.formulas import collective_seconds
+    full = 8e9
+    assert collective_seconds("all_reduce", full, 8, 1e9, 0.0) == pytest.approx(2 * 7 / 8 * 8)
+    assert collective_seconds("reduce_scatter", full, 8, 1e9, 0.0) == pytest.approx(7 / 8 * 8)
+    assert collective_seconds("all_gather", full / 8, 8, 1e9, 0.0) == pytest.approx(7 / 8 * 8)
+    assert collective_seconds("all_reduce", 0, 4, 1e9, 1e-5, calls=3) == pytest.approx(3 * 6 * 1e-5)
+    assert collective_seconds("all_reduce", full, 1, 1e9, 1e-5) == 0.0
+
+
+@pytest.mark.parametrize("layout", [["parallel=pp2"], ["parallel.tp=2", "parallel.pp=2"],
+                                    ["parallel.pp=4", "parallel.pipeline_schedule=interleaved_1f1b",
+                                     "parallel.virtual_pipeline_size=2", "model.num_layers=8"],
+                                    ["parallel.pp=2", "parallel.pipeline_schedule=zbv",
+                                     "parallel.virtual_pipeline_size=2", "model.num_layers=4"]])
+def test_search_parameter_counts_equal_the_laid_out_model(layout):
+    """The search's per-stage parameters, composed from three layouts (embedding alone, head alone, one
+    layer's share), equal those of the meta model laid out at the layout itself."""
+    from megalm.plan import _dims, _rank_of, compose, rank_params, stage_params_estimate
+    cfg, world = compose(["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
+                          *layout])
+    dims = _dims(cfg, world)
+    for s in range(dims.pp):
+        assert stage_params_estimate(cfg, world, s) == rank_params(cfg, world, _rank_of(s, 0, dims))
+
+
+TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2"]
+
+
+def test_single_device_step_time_by_hand():
+    """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, then AdamW
+    streaming 28 bytes a parameter (fp32 weights, gradients, two moments read; three written) at 3.35 TB/s."""
+    from megalm.models import flops_per_token
+    got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16")
+    cfg = _compose(*TINY, "trainer.global_batch_size=8")
+    params = got["positions"][0]["params"]
+    tokens = 8 * cfg.model.seq_length
+    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + 28 * params / 3.35e12
+    assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
+    assert got["estimate"]["mfu"] == pytest.approx(got["model_flops_per_step"] / (expected * 989e12), rel=1e-9)
+
+
+def _compose(*overrides):
+    from megalm.plan import compose
+    return compose(list(overrides))[0]
+
+
+def test_gpus_fill_data_parallel_and_the_table_names_the_estimate():
+    args = [sys.executable, "-m", "megalm.plan", *TINY, "parallel=tp2", "trainer.global_batch_size=16",
+            "cluster=slurm_h100", "trainer.precision=bf16", "--gpus", "8"]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "gpt_tiny at tp2 pp1 dp4 (8 ranks)" in out.stdout and "on cluster=slurm_h100: step" in out.stdout
+    bad = subprocess.run(args[:-1] + ["0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--gpus=0" in bad.stderr
+
+
+def test_search_ranks_fitting_layouts_and_says_why_others_drop():
+    from megalm.plan import compose, plan, search
+    cfg, _ = compose([*TINY, "trainer.global_batch_size=32", "cluster=slurm_h100", "trainer.precision=bf16",
+                      "parallel.dp=-1"])
+    got = search(cfg, 8, top=0)
+    steps = [r["step_seconds"] for r in got["ranked"]]
+    assert steps == sorted(steps) and len(steps) == got["fitting"] > 3
+    assert got["considered"] == got["fitting"] + len(got["dropped"])
+    assert any("does not split evenly" in why or "num_layers" in why for why in got["dropped"].values())
+    best = got["ranked"][0]
+    again = plan(*compose([*TINY, "trainer.global_batch_size=32", "cluster=slurm_h100", "trainer.precision=bf16",
+                           f"parallel.tp={best['tp']}", f"parallel.pp={best['pp']}", f"parallel.dp={best['dp']}",
+                           f"parallel.sequence_parallel={best['sequence_parallel']}",
+                           f"parallel.pipeline_schedule={best['schedule'] or '1f1b'}",
+                           f"parallel.virtual_pipeline_size={best['virtual_stages']}",
+                           f"parallel.zero_stage={best['zero_stage']}", f"parallel.recompute={best['recompute']}",
+                           f"trainer.micro_batch_size={best['micro_batch_size']}"], gpus=8))
+    # the search counts model state by the per-parameter formula, the plan exactly (padding): a hair apart
+    assert again["estimate"]["step_seconds"] == pytest.approx(best["step_seconds"], rel=1e-3)
+    small = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, memory_per_device_gb=1e-6))
+    none = search(small, 8)
+    assert none["fitting"] == 0 and any(why.startswith("needs ") for why in none["dropped"].values())
+
+
+def test_a_family_without_activation_formulas_still_gets_its_parameters():
+    got = _plan("model=bert_tiny", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=4")
+    assert "not_modelled" in got and got["positions"][0]["params"] > 0

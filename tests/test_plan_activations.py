@@ -1,4 +1,4 @@
-"""megalm.plan.activations against what autograd really keeps for backward.
+"""megalm.plan.formulas against what autograd really keeps for backward.
 
 Each case builds the model as training does (meta -> parallelize -> materialize -> init_weights), runs
 one warm-up step, then a measured step (the trainer's micro-batch loop, or the pipeline schedule's step)
@@ -156,7 +156,7 @@ def _measure_all(rank, world, cases):
 
 def planned(overrides, rank):
     """The planner's figures for global rank `rank` (tp fastest: its pp rank is rank // (tp * dp))."""
-    from megalm.plan.activations import stage_activation_bytes
+    from megalm.plan.formulas import stage_activation_bytes
     cfg, world = _config(overrides)
     pp_rank = rank // (world // cfg.parallel.pp)
     return stage_activation_bytes(cfg, world, pp_rank)
@@ -180,36 +180,6 @@ def test_planned_peak_matches_the_saved_tensors(measured, name):
         assert plan["peak"] == pytest.approx(got, rel=TOLERANCE), (name, rank, plan)
 
 
-def _torch_order(name, pp, rank, v, m):
-    """The compute actions torch's own schedule class lists for `rank` (its pipeline_order), without a
-    process group: the class's per-rank planner on a bare instance holding the attributes it reads."""
-    from torch.distributed.pipelining import schedules
-    cls = {"interleaved_1f1b": schedules.ScheduleInterleaved1F1B, "zbv": schedules.ScheduleZBVZeroBubble,
-           "interleaved_zb": schedules.ScheduleInterleavedZeroBubble}[name]
-    bare = object.__new__(cls)
-    rounds = max(1, m // pp)
-    bare.__dict__.update(pp_group_size=pp, n_local_stages=v, num_stages=pp * v, _n_microbatches=m,
-                         number_of_rounds=rounds, microbatches_per_round=m // rounds)
-    try:
-        actions = bare._calculate_single_rank_operations(rank)
-    except AttributeError as e:  # a private planner that changed shape in a newer torch
-        pytest.skip(f"torch's {cls.__name__} plans differently now ({e}); the measured pp2 cases still apply")
-    local = (lambda s: 0 if s == rank else 1) if name == "zbv" else (lambda s: s // pp)
-    return [(a.computation_type.value, local(a.stage_index), a.microbatch_index) for a in actions if a is not None]
-
-
-@pytest.mark.parametrize("name", ["interleaved_1f1b", "interleaved_zb", "zbv"])
-def test_schedule_orders_are_torchs(name):
-    """The planner's order of forwards and backwards is the one torch runs, beyond the measured pp2."""
-    from megalm.plan.activations import schedule_actions
-    for pp in (2, 3, 4, 8):
-        for v in ((2,) if name == "zbv" else (2, 3)):
-            for m in (pp, 2 * pp, 3 * pp):
-                for rank in range(pp):
-                    ours = schedule_actions(name, pp, rank, v, m)
-                    assert ours == _torch_order(name, pp, rank, v, m), (pp, v, m, rank)
-
-
 def test_in_flight_follows_the_schedule():
     """1F1B holds pp - rank micro-batches, GPipe all m, the interleaved schedule Megatron's warm-up + 1 forwards."""
     got = {name: [planned(CASES[name], r)["in_flight"] for r in (0, 2)] for name in CASES if "-pp2-" in name}
@@ -220,7 +190,7 @@ def test_in_flight_follows_the_schedule():
 
 def test_bad_inputs_are_clear_errors():
     from megalm.errors import ConfigError
-    from megalm.plan.activations import layer_activation_bytes, stage_activation_bytes
+    from megalm.plan.formulas import layer_activation_bytes, stage_activation_bytes
     cfg, world = _config([*PP2])
     with pytest.raises(ValueError, match=r"pp_rank=2 is outside the pipeline of parallel.pp=2"):
         stage_activation_bytes(cfg, world, 2)

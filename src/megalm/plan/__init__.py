@@ -1,45 +1,40 @@
-"""`python -m megalm.plan [the overrides train takes]`: what each rank of a layout holds, before any run.
+"""`python -m megalm.plan [the overrides train takes]`: what each rank of a layout holds, computes and
+sends, and what a step costs on a cluster, before any run.
 
 The config composes and validates as `megalm.train`'s does. No devices and no other processes are
-needed: for each distinct rank position (pipeline stage x first / last tensor-parallel rank), the
-model is built on the meta device and laid out as that rank's part of it, over a fake process
-group of the layout's size (torch's testing backend, as torchtitan uses for dry runs). Nothing is
-allocated. Reported per position:
-- the parameters this rank holds (exact: the same layout code a run uses);
-- the model-state bytes (weights, gradients, Adam's moments) under the run's ZeRO stage, by
-  megalm.training.memory's per-parameter formula.
-It also reports the model FLOPs of a step (megalm.models.flops's definition) and the tokens a step
-reads. Printed as a table, or as JSON with --json.
-
-Activation memory, collective bytes, the bubble and step-time estimates are not here yet.
+needed: for each distinct rank position (pipeline rank x first / last tensor-parallel rank) the model
+is built on the meta device and laid out as that rank's part of it, over a fake process group of the
+layout's size (torch's testing backend, as torchtitan uses for dry runs). Nothing is allocated.
+Reported per position:
+- the parameters this rank holds (exact: the same layout code a run uses), and its model-state bytes
+  (weights, gradients, Adam's moments, the ZeRO buckets' padding included);
+- activation memory at the rank's peak (the schedule's in-flight micro-batches, sequence parallelism,
+  recomputation), the logits and loss buffers, and the peak in all against the device's memory;
+- bytes per collective in a step, by group (tp / sp, pipeline sends, dp buckets, ZeRO-3 gathers,
+  the tied embedding);
+and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
+time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
+Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
+count instead. Printed as a table, or as JSON with --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-from megalm.errors import cli_errors
+from megalm.errors import ConfigError, cli_errors
 
 PROG = "megalm.plan"
+GB = 1e9
 
 
-@dataclass
-class Position:
-    """One kind of rank: the ranks of a pipeline stage at one tensor-parallel rank (every dp replica alike)."""
-    stage: int
-    tp_rank: int
-    rank: int
-    """A global rank at this position (dp and cp index 0)."""
-    params: int = 0
-    bytes: Dict[str, float] = field(default_factory=dict)
-    same_as: List[str] = field(default_factory=list)
-
-
-def compose(overrides: List[str]):
-    """The Config `python -m megalm.train` would run with these overrides, validated for its world size."""
+def compose(overrides: List[str], gpus: Optional[int] = None):
+    """The Config `python -m megalm.train` would run with these overrides, validated for its world size
+    (`gpus` ranks when given, parallel.dp then filling what tp x pp leaves)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
     from megalm.config import conf_dir, register_configs
@@ -50,9 +45,16 @@ def compose(overrides: List[str]):
         dcfg = hydra_compose("config", overrides=list(overrides))
     reject_unknown_keys(dcfg)
     cfg = OmegaConf.to_object(dcfg)
-    world = ranks_needed(cfg)
+    if gpus is not None and gpus < 1:
+        raise ConfigError(f"--gpus={gpus} must be at least 1")
+    world = gpus if gpus is not None else ranks_needed(cfg)
     validate(cfg, world)
     return cfg, world
+
+
+def _dims(cfg, world: int):
+    from megalm.distributed.mesh import ParallelDims
+    return ParallelDims.from_config(cfg.parallel, world)
 
 
 def _rank_of(stage: int, tp_rank: int, dims) -> int:
@@ -64,12 +66,12 @@ def rank_params(cfg, world: int, rank: int) -> int:
     """Parameters rank `rank` of the layout holds (a tied weight once), from the meta-device model."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.distributed.mesh import build_mesh
     from megalm.models import build_model
     from megalm.parallel import parallelize
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+        mesh = build_mesh(_dims(cfg, world), "cpu")
         model = build_model(cfg.model, device="meta")
         parallelize(model, mesh, cfg.parallel, seed=cfg.trainer.seed)
         return sum(p.numel() for p in model.parameters())
@@ -77,64 +79,310 @@ def rank_params(cfg, world: int, rank: int) -> int:
         dist.destroy_process_group()
 
 
+def _fit(total: float, cluster) -> Optional[bool]:
+    return None if not cluster.memory_per_device_gb else total <= cluster.memory_per_device_gb * GB
+
+
 def plan(cfg, world: int) -> Dict[str, Any]:
-    from megalm.distributed.mesh import ParallelDims
     from megalm.models import flops_per_token
+    from megalm.plan import formulas as f
     from megalm.training.memory import expected_bytes_per_param
-    dims = ParallelDims.from_config(cfg.parallel, world)
+    dims = _dims(cfg, world)
     p, t = cfg.parallel, cfg.trainer
     per_param = expected_bytes_per_param(zero_stage=p.zero_stage, dp=dims.dp)
-    parts = {"weights": expected_bytes_per_param(zero_stage=p.zero_stage, dp=dims.dp, grad_bytes=0, optimizer_moments=0),
-             "grads": expected_bytes_per_param(zero_stage=p.zero_stage, dp=dims.dp, weight_bytes=0, optimizer_moments=0),
-             "optimizer": expected_bytes_per_param(zero_stage=p.zero_stage, dp=dims.dp, weight_bytes=0, grad_bytes=0)}
-    positions: List[Position] = []
+    m = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    positions: List[Dict[str, Any]] = []
+    comm: Dict[int, Dict[str, Any]] = {}
+    state: Dict[int, float] = {}
+    not_modelled = None
     for stage in range(dims.pp):
         for tp_rank in sorted({0, dims.tp - 1}):
-            pos = Position(stage, tp_rank, _rank_of(stage, tp_rank, dims))
-            pos.params = rank_params(cfg, world, pos.rank)
-            pos.bytes = {k: v * pos.params for k, v in parts.items()}
-            pos.bytes["model_state"] = per_param * pos.params
-            positions.append(pos)
+            rank = _rank_of(stage, tp_rank, dims)
+            q: Dict[str, Any] = {"stage": stage, "tp_rank": tp_rank, "example_rank": rank,
+                                 "params": rank_params(cfg, world, rank)}
+            try:
+                act = f.stage_activation_bytes(cfg, world, stage)
+                held = f.exact_model_state_bytes(cfg, world, stage, tp_rank)
+                coll = f.step_collectives(cfg, world, stage, tp_rank)
+            except ConfigError as e:  # activations and collectives are modelled for GPT language models only
+                not_modelled = str(e)
+                q.update({k: v * q["params"] for k, v in (("weights_bytes", 4), ("grads_bytes", 4))})
+                q["model_state_bytes"] = per_param * q["params"]
+                positions.append(q)
+                continue
+            model_state = held["weights"] + held["grads"] + held["optimizer"]
+            if tp_rank == 0:
+                comm[stage], state[stage] = coll, model_state
+            total = model_state + act["peak"]
+            q.update({
+                "weights_bytes": held["weights"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
+                "model_state_bytes": model_state, "layers": act["layers"],
+                "activation_bytes_per_microbatch": act["per_microbatch"], "in_flight_microbatches": act["in_flight"],
+                "logits_and_loss_bytes": act["logits_and_loss"], "activation_peak_bytes": act["peak"],
+                "peak_bytes": total, "fits": _fit(total, cfg.cluster), "collectives": coll,
+                "comm_bytes": {g: sum(v["bytes"] for k, v in kinds.items() if k != "recv") for g, kinds in coll.items()}})
+            positions.append(q)
     tokens = t.global_batch_size * cfg.model.seq_length
-    return {"model": cfg.model.name, "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp,
-                                                "world": world, "zero_stage": p.zero_stage,
-                                                "sequence_parallel": p.sequence_parallel},
-            "tokens_per_step": tokens, "model_flops_per_step": flops_per_token(cfg.model) * tokens,
-            "bytes_per_param": per_param,
-            "positions": [{"stage": q.stage, "tp_rank": q.tp_rank, "example_rank": q.rank, "params": q.params,
-                           **{f"{k}_bytes": v for k, v in q.bytes.items()}} for q in positions]}
+    schedule = p.pipeline_schedule if dims.pp > 1 else None
+    v = len(f.stage_layers(cfg, dims.pp)) // dims.pp
+    out = {"model": cfg.model.name, "cluster": cfg.cluster.name,
+           "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "world": world,
+                      "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel,
+                      "schedule": schedule, "virtual_stages": v, "recompute": p.recompute,
+                      "precision": t.precision, "micro_batch_size": t.micro_batch_size, "micro_batches": m},
+           "tokens_per_step": tokens, "model_flops_per_step": flops_per_token(cfg.model) * tokens,
+           "bytes_per_param": per_param,
+           "bubble_equal_stages": f.bubble_equal_stages(dims.pp, m, v) if dims.pp > 1 else 0.0,
+           "bubble_compute_only": f.compute_bubble(cfg, dims.pp, m) if dims.pp > 1 else {0: 0.0},
+           "positions": positions}
+    if not_modelled:
+        out["not_modelled"] = not_modelled
+        out["estimate"] = {"missing": ["activation and communication formulas for this model"]}
+    else:
+        out["estimate"] = f.estimate_step(cfg, dims, comm, state)
+    return out
 
+
+# ---------------------------------------------------------------------------------------------
+# Search
+# ---------------------------------------------------------------------------------------------
+
+SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+RECOMPUTE = ("none", "selective", "full")
+ZERO = (0, 1, 2, 3)
+
+
+def _powers_of_two(limit: int) -> List[int]:
+    return [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
+
+
+def candidates(cfg, gpus: int, micro_batches=(1, 2, 4, 8)):
+    """Every (tp, pp, schedule, v, micro-batch) of `gpus` devices, sequence parallel on wherever tp > 1."""
+    heads, layers = cfg.model.num_attention_heads, cfg.model.num_layers
+    for tp in _powers_of_two(min(cfg.cluster.devices_per_node, heads)):
+        for pp in range(1, layers + 1):
+            if gpus % (tp * pp):
+                continue
+            for schedule, v in (SCHEDULES if pp > 1 else (("1f1b", 1),)):
+                for mbs in micro_batches:
+                    yield tp, pp, gpus // (tp * pp), schedule, v, mbs
+
+
+def _with(cfg, **parallel_and_mbs):
+    mbs = parallel_and_mbs.pop("micro_batch_size")
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel_and_mbs),
+                               trainer=dataclasses.replace(cfg.trainer, micro_batch_size=mbs))
+
+
+_PARTS: Dict[tuple, Tuple[int, int, int, int]] = {}
+
+
+def _parts(cfg, tp: int) -> Tuple[int, int, int, int]:
+    """(first stage's own, each layer's, last stage's own, counted twice when one rank holds both ends)
+    parameters of tp rank 0 at tensor-parallel degree tp, from three meta-device layouts: pp2 with every
+    layer on the last stage, pp2 with every layer on the first, and pp1 (where a tied weight is one)."""
+    key = (repr(cfg.model), tp)
+    if key not in _PARTS:
+        L = cfg.model.num_layers
+        base = dict(tp=tp, dp=1, cp=1, sequence_parallel=tp > 1, pipeline_schedule="1f1b", virtual_pipeline_size=1,
+                    zero_stage=0, recompute="none", recompute_num_layers=None)
+        two = lambda split: _with(cfg, pp=2, layers_per_stage=split, micro_batch_size=1, **base)  # noqa: E731
+        first = rank_params(two([0, L]), 2 * tp, 0)
+        first_and_layers_last = rank_params(two([0, L]), 2 * tp, tp)
+        last = rank_params(two([L, 0]), 2 * tp, tp)
+        whole = rank_params(_with(cfg, pp=1, layers_per_stage=None, micro_batch_size=1, **base), tp, 0)
+        per_layer = (first_and_layers_last - last) // L
+        _PARTS[key] = (first, per_layer, last, first + L * per_layer + last - whole)
+    return _PARTS[key]
+
+
+def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
+    """Parameters of tp rank 0 on pipeline rank `pp_rank`, from `_parts` (no model built per layout)."""
+    from megalm.plan import formulas as f
+    dims = _dims(cfg, world)
+    first, per_layer, last, twice = _parts(cfg, dims.tp)
+    layers = f.stage_layers(cfg, dims.pp)
+    owner = f.stage_owner(cfg.parallel.pipeline_schedule, dims.pp, len(layers)) if dims.pp > 1 else [0] * len(layers)
+    mine = [s for s in range(len(layers)) if owner[s] == pp_rank]
+    n = sum(layers[s] for s in mine) * per_layer
+    n += first if 0 in mine else 0
+    n += last if len(layers) - 1 in mine else 0
+    return n - (twice if 0 in mine and len(layers) - 1 in mine else 0)
+
+
+def _state_estimate(cfg, world: int, pp_rank: int) -> float:
+    from megalm.training.memory import expected_bytes_per_param
+    dims = _dims(cfg, world)
+    return expected_bytes_per_param(zero_stage=cfg.parallel.zero_stage, dp=dims.dp) * \
+        stage_params_estimate(cfg, world, pp_rank)
+
+
+def search(cfg, gpus: int, top: int = 10) -> Dict[str, Any]:
+    """Rank the layouts of `gpus` devices by estimated step time; say why the others were dropped.
+
+    Every (tp, pp, schedule, micro-batch) of `candidates` is tried with each recomputation (none,
+    selective, full) and ZeRO stage (0-3); the options whose peak fits the device are estimated and the
+    fastest is kept. A layout the run itself would refuse is dropped with its error, one where no option
+    fits with what the leanest option needs."""
+    from megalm.plan import formulas as f
+    from megalm.validation import validate
+    if not cfg.cluster.memory_per_device_gb:
+        raise ConfigError(f"--search needs the devices' memory: cluster={cfg.cluster.name} has no "
+                          "cluster.memory_per_device_gb (choose a cluster preset, e.g. cluster=slurm_h100)")
+    missing = f.estimate_requirements(cfg, gpus)
+    if missing:
+        raise ConfigError(f"--search needs step times: cluster={cfg.cluster.name} lacks {', '.join(missing)}")
+    ranked, dropped = [], {}
+    for tp, pp, dp, schedule, v, mbs in candidates(cfg, gpus):
+        name = f"tp{tp} pp{pp} dp{dp}" + (f" {schedule} v{v}" if pp > 1 else "") + f" mbs{mbs}"
+        layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule,
+                      virtual_pipeline_size=v, layers_per_stage=None, recompute_num_layers=None, micro_batch_size=mbs)
+        try:
+            validate(_with(cfg, zero_stage=0, recompute="none", **layout), gpus)
+        except ConfigError as e:
+            dropped[name] = str(e)
+            continue
+        best, reasons = None, []
+        for recompute, zero in itertools.product(RECOMPUTE, ZERO):
+            c = _with(cfg, zero_stage=zero, recompute=recompute, **layout)
+            try:
+                validate(c, gpus)
+                peak = max(f.stage_activation_bytes(c, gpus, s)["peak"] + _state_estimate(c, gpus, s)
+                           for s in range(pp))
+                if peak > c.cluster.memory_per_device_gb * GB:
+                    reasons.append(f"needs {peak / GB:.1f} GB a device with recompute={recompute}, ZeRO-{zero}")
+                    continue
+                dims = _dims(c, gpus)
+                comm = {s: f.step_collectives(c, gpus, s, 0) for s in range(pp)}
+                est = f.estimate_step(c, dims, comm, {s: _state_estimate(c, gpus, s) for s in range(pp)})
+            except ConfigError as e:  # an option the run refuses, or one the formulas do not model
+                reasons.append(f"recompute={recompute}, ZeRO-{zero}: {e}")
+                continue
+            if best is None or est["step_seconds"] < best["step_seconds"]:
+                best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule if pp > 1 else None,
+                        "virtual_stages": v if pp > 1 else 1, "micro_batch_size": mbs, "recompute": recompute,
+                        "zero_stage": zero, "sequence_parallel": tp > 1, "peak_bytes": peak,
+                        "step_seconds": est["step_seconds"], "tokens_per_second": est["tokens_per_second"],
+                        "mfu": est["mfu"], "bubble": max(est["bubble"].values())}
+        if best is None:
+            fits = [r for r in reasons if r.startswith("needs ")]
+            dropped[name] = min(fits, key=lambda r: float(r.split()[1])) if fits else reasons[-1]
+            continue
+        ranked.append(best)
+    ranked.sort(key=lambda r: r["step_seconds"])
+    return {"model": cfg.model.name, "cluster": cfg.cluster.name, "gpus": gpus,
+            "global_batch_size": cfg.trainer.global_batch_size, "ranked": ranked[:top] if top else ranked,
+            "considered": len(ranked) + len(dropped), "fitting": len(ranked), "dropped": dropped}
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------------
 
 def _span(values: List[int]) -> str:
     return str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}" if values == list(
         range(values[0], values[-1] + 1)) else ",".join(map(str, values))
 
 
+def _table(rows: List[Tuple[str, ...]]) -> List[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
+def _unit(values) -> Tuple[float, str]:
+    top = max([v for v in values if v] or [0])
+    return (1e9, "GB") if top >= 1e9 else (1e6, "MB") if top >= 1e6 else (1e3, "kB")
+
+
 def format_table(result: Dict[str, Any]) -> str:
-    lay = result["layout"]
-    head = (f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} ({lay['world']} ranks), "
-            f"ZeRO-{lay['zero_stage']}: {result['bytes_per_param']:.3g} bytes of model state per parameter; "
-            f"{result['tokens_per_step']:,} tokens and {result['model_flops_per_step']:.3e} model FLOPs a step")
-    rows = [("stages", "tp ranks", "params", "weights GB", "grads GB", "optimizer GB", "model state GB")]
-    groups: Dict[int, List[Dict[str, Any]]] = {}  # positions holding as many parameters share a row
-    for q in result["positions"]:
-        groups.setdefault(q["params"], []).append(q)
+    lay, est = result["layout"], result["estimate"]
+    sched = f", {lay['schedule']} x{lay['virtual_stages']}" if lay["schedule"] else ""
+    head = [f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} ({lay['world']} ranks{sched}), "
+            f"{lay['precision']}, ZeRO-{lay['zero_stage']}, sp {'on' if lay['sequence_parallel'] else 'off'}, "
+            f"recompute {lay['recompute']}, {lay['micro_batches']} micro-batches of {lay['micro_batch_size']}",
+            f"a step: {result['tokens_per_step']:,} tokens, {result['model_flops_per_step']:.3e} model FLOPs"]
+    qs_all = result["positions"]
+    if result.get("not_modelled"):
+        mu, mn = _unit(q["model_state_bytes"] for q in qs_all)
+        rows = [("stages", "tp ranks", "params", f"model state {mn}")]
+        rows += [(str(q["stage"]), str(q["tp_rank"]), f"{q['params']:,}", f"{q['model_state_bytes'] / mu:.2f}")
+                 for q in qs_all]
+        return "\n".join(head + _table(rows) + [f"activations, communication and step time: not modelled "
+                                                   f"({result['not_modelled']})"])
+    bubble = est.get("bubble") or result["bubble_compute_only"]
+    su, sn = _unit(q["peak_bytes"] for q in qs_all)
+    cu, cn = _unit(b for q in qs_all for b in q["comm_bytes"].values())
+    rows = [("stages", "tp ranks", "params", f"model state {sn}", f"activations {sn}", "in flight", f"peak {sn}",
+             "fits", f"tp {cn}", f"pp {cn}", f"dp {cn}", f"emb {cn}", "bubble")]
+    groups: Dict[tuple, List[Dict[str, Any]]] = {}  # positions alike in every column share a row
+    for q in qs_all:
+        key = (q["params"], q["model_state_bytes"], q["activation_peak_bytes"],
+               tuple(sorted(q["comm_bytes"].items())), round(bubble.get(q["stage"], 0.0), 4))
+        groups.setdefault(key, []).append(q)
     for qs in sorted(groups.values(), key=lambda g: (g[0]["stage"], g[0]["tp_rank"])):
         q = qs[0]
+        c = q["comm_bytes"]
         rows.append((_span(sorted({x["stage"] for x in qs})), _span(sorted({x["tp_rank"] for x in qs})),
-                     f"{q['params']:,}", f"{q['weights_bytes'] / 1e9:.2f}", f"{q['grads_bytes'] / 1e9:.2f}",
-                     f"{q['optimizer_bytes'] / 1e9:.2f}", f"{q['model_state_bytes'] / 1e9:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join([head, *lines])
+                     f"{q['params']:,}", f"{q['model_state_bytes'] / su:.2f}", f"{q['activation_peak_bytes'] / su:.2f}",
+                     f"{q['in_flight_microbatches']:g}", f"{q['peak_bytes'] / su:.2f}",
+                     {None: "?", True: "yes", False: "NO"}[q["fits"]],
+                     *(f"{c.get(g, 0) / cu:.2f}" for g in ("tp", "pp", "dp", "embedding")),
+                     f"{bubble.get(q['stage'], 0.0):.1%}" if lay["pp"] > 1 else "-"))
+    lines = head + _table(rows)
+    lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
+                 "reduce-scatter: the full input)")
+    if "missing" in est:
+        lines.append(f"bubble: compute alone (FLOPs as time). No step time on cluster={result['cluster']}: it lacks "
+                     f"{', '.join(est['missing'])} (try cluster=slurm_h100)")
+    else:
+        lines.append(f"on cluster={result['cluster']}: step {_seconds(est['step_seconds'])} "
+                     f"(pipeline {_seconds(est['pipeline_seconds'])}), {est['tokens_per_second']:,.0f} tokens/s, "
+                     f"MFU {est['mfu']:.1%} of {est['peak_flops'] / 1e12:.0f} TFLOP/s a device")
+    return "\n".join(lines)
+
+
+def format_search(result: Dict[str, Any]) -> str:
+    head = (f"{result['model']} on {result['gpus']} devices of cluster={result['cluster']}, global batch "
+            f"{result['global_batch_size']}: {result['fitting']} of {result['considered']} layouts fit")
+    rows = [("layout", "recompute", "ZeRO", "peak GB", "bubble", "step s", "tokens/s", "MFU")]
+    for r in result["ranked"]:
+        rows.append((r["layout"], r["recompute"], str(r["zero_stage"]), f"{r['peak_bytes'] / GB:.1f}",
+                     f"{r['bubble']:.1%}", f"{r['step_seconds']:.3f}", f"{r['tokens_per_second']:,.0f}",
+                     f"{r['mfu']:.1%}"))
+    lines = [head, *(_table(rows) if result["ranked"] else ["(none fits)"])]
+    if result["dropped"]:
+        lines.append(f"dropped ({len(result['dropped'])}):")
+        lines += [f"  {k}: {v}" for k, v in list(result["dropped"].items())[:20]]
+        if len(result["dropped"]) > 20:
+            lines.append(f"  ... and {len(result['dropped']) - 20} more (--json lists all)")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
     ap.add_argument("overrides", nargs="*", help="the overrides python -m megalm.train takes (model=..., parallel=...)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="devices in all (default: what the layout names; parallel.dp fills the rest)")
+    ap.add_argument("--search", action="store_true",
+                    help="rank every tp / pp / schedule / micro-batch / recompute / ZeRO layout of --gpus devices")
+    ap.add_argument("--top", type=int, default=10, help="layouts --search prints (0 = all; default 10)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
-        cfg, world = compose(args.overrides)
+        if args.search:
+            if args.gpus is None:
+                raise ConfigError("--search needs --gpus N: the devices to lay the model out on")
+            cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None)
+            result = search(cfg, args.gpus, args.top)
+            print(json.dumps(result, indent=1) if args.json else format_search(result))
+            return
+        overrides = list(args.overrides)
+        if args.gpus is not None and not any(o.lstrip("+~").startswith("parallel.dp=") for o in overrides):
+            overrides.append("parallel.dp=-1")  # the presets name dp=1; --gpus fills it
+        cfg, world = compose(overrides, args.gpus)
         result = plan(cfg, world)
         print(json.dumps(result, indent=1) if args.json else format_table(result))

@@ -1,21 +1,31 @@
-"""Every formula megalm.plan estimates with, each with its source.
+"""Every formula megalm.plan estimates with, each with its source: one module, in sections.
 
-Pure arithmetic over the composed Config (no torch tensors are allocated); what is exact (the
-parameters a rank holds) comes from the meta-device model in megalm.plan itself.
-
-Sections:
-- FLOPs of one pipeline stage's forward and backward, from the family's one FLOPs definition;
-- time of one collective (the alpha-beta model with NCCL's ring bus-bandwidth factors);
+- FLOPs of a pipeline stage's forward and backward, from the family's one FLOPs definition;
+- activation memory: what autograd keeps for backward per layer, per stage and at a rank's peak
+  under its schedule (Korthikanti et al. 2022, with megalm's own coefficients);
+- the collectives of one optimizer step and the exact model state of a rank (read off the
+  meta-device layout, counted as megalm.distributed.comm counts them);
+- the time of one collective (the alpha-beta model with the ring's bus-bandwidth factors);
 - pipeline schedules: the order each rank runs its actions in, and an event simulation of that
-  order with per-action times, which gives the step time and each rank's bubble.
+  order with per-action times, which gives the bubble;
+- step time, tokens/s and MFU on a cluster profile.
+
+Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
+tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
+(schedules, step time, search) and scripts/bench_pp.py (the bubble).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from megalm.errors import ConfigError
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges, virtual_stages_of
+
+FP32 = 4
+
 
 # ---------------------------------------------------------------------------------------------
 # FLOPs
@@ -77,6 +87,714 @@ def stage_work(cfg, layers: int, last: bool, tp: int) -> StageWork:
         inputs += layers * attn
     scale = tokens / tp
     return StageWork(fwd * scale, inputs * scale, weight * scale)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation memory
+# ---------------------------------------------------------------------------------------------
+#
+# Activation memory of a GPT layout: the bytes autograd keeps for backward, per layer, per pipeline
+# stage and at a rank's peak under its schedule. Arithmetic only: nothing is built or run.
+#
+# The frame is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
+# (arXiv:2205.05198): one layer keeps s*b*h*(34 + 5*a*s/h) bytes in fp16 without parallelism (sec. 4.1,
+# Table 2); tensor parallelism divides the parts inside the column -> row pairs by t, sequence parallelism
+# the rest too (sec. 4.2); selective recomputation drops the 5as/h attention term, full recomputation keeps
+# only the layer input (sec. 5). The micro-batches alive at once follow the pipeline schedule
+# (Narayanan et al. 2021, arXiv:2104.04473, sec. 2.2: 1F1B holds pp - rank, the interleaved schedule
+# more). The coefficients here are not the paper's but megalm's own (megalm.models.layers, parallel/):
+# each term names the tensor its ops save, checked against autograd's saved tensors on CPU by
+# tests/test_plan_activations.py. Where megalm differs from the paper:
+#
+# - attention runs on SDPA's fused kernels, which keep q, k, v, the output and a log-sum-exp (a fp32 values
+#   a token) instead of the a*s score matrices; only on CPU with attention dropout does SDPA fall back to
+#   its math path, which keeps them (softmax, dropout noise, dropped probabilities: 3 a*s values a token);
+# - sequence parallelism keeps the all-gathered (full-sequence) input of each column-parallel linear,
+#   where Megatron keeps the shard and gathers again in backward: 2h a token stay unsharded;
+# - training runs fp32 by default; with bf16 / fp16 autocast the residual stream, norms, the log-softmax
+#   and the statistics stay fp32, and each linear keeps a half-precision copy of its input and its weight;
+# - selective recomputation wraps the attention core (Parts.selective): with fused attention that saves
+#   only the log-sum-exp, the GQA-repeated keys and values and, after RoPE, SDPA's own output; not 5as/h.
+# - packed sequences (data.packing: a mask per example, position ids) are not modeled.
+#
+# Not counted: the tensors a pipeline schedule itself holds (received inputs, a stage's output until its
+# backward, the gradients of intermediates that zero-bubble schedules keep until the weight pass),
+# transient buffers, and the working set of a recomputed layer during its backward (`recompute_transient`
+# gives it). CUDA assumptions not measured here: dropout keeps a 1-byte mask (native_dropout) where CPU
+# keeps a noise tensor of the activation's dtype; SDPA stays fused with dropout; RMSNorm runs torch's fused
+# kernel (input and rstd), where CPU's composite also keeps the normalized input.
+
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the formulas read, resolved once from the config: sizes of one micro-batch on one rank."""
+    s: int        # tokens a sequence
+    b: int        # sequences a micro-batch (times num_choices)
+    h: int
+    a: int        # query heads
+    kv: int       # key / value width, kv_heads * head_dim
+    groups: int   # query heads per kv head
+    f: int        # ffn width
+    vocab: int    # padded vocabulary rows at this tp
+    t: int
+    sp: bool
+    e: int        # bytes of a compute element: 4 (fp32), 2 (bf16 / fp16 autocast)
+    autocast: bool
+    cpu: bool
+    rope: bool
+    swiglu: bool
+    rmsnorm: bool
+    bias: bool
+    dropout: float
+    attention_dropout: float
+    lm_head: bool
+
+    @property
+    def seq(self) -> int:
+        """Divisor of the sequence-parallel region (norms, residual, hidden dropout)."""
+        return self.t if self.sp else 1
+
+    @property
+    def fused_attention(self) -> bool:
+        return not (self.cpu and self.attention_dropout > 0)
+
+    def mask(self, element: int) -> int:
+        """Bytes a dropout keeps an element: CUDA's native_dropout a bool, CPU's a noise tensor of the input's dtype."""
+        return element if self.cpu else 1
+
+
+def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
+    from megalm.distributed.mesh import ParallelDims
+    m, p, tr = cfg.model, cfg.parallel, cfg.trainer
+    if m.arch != "gpt":
+        raise ConfigError(f"activation memory is derived for the gpt family's layers; model.arch={m.arch}")
+    if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"activation memory is derived for transformer_impl=local in fp32 / bf16 / fp16; got "
+                          f"model.transformer_impl={m.transformer_impl}, trainer.precision={tr.precision}")
+    device = device or ("cpu" if tr.device == "cpu" else "cuda")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; choose cpu or cuda")
+    dims = ParallelDims.from_config(p, world)
+    if p.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"parallel.recompute={p.recompute} is not one of none, selective, full")
+    return _Shape(s=m.seq_length, b=tr.micro_batch_size * max(1, getattr(m, "num_choices", 0)), h=m.hidden_size,
+                  a=m.num_attention_heads, kv=m.kv_heads * m.head_dim, groups=m.num_attention_heads // m.kv_heads,
+                  f=m.ffn_size, vocab=m.padded_vocab(dims.tp), t=dims.tp, sp=p.sequence_parallel and dims.tp > 1,
+                  e=FP32 if tr.precision == "fp32" else 2, autocast=tr.precision != "fp32", cpu=device == "cpu",
+                  rope=m.position_embedding == "rope", swiglu=m.activation == "swiglu",
+                  rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
+                  attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False))
+
+
+def _norm(d: _Shape) -> float:
+    """A pre-norm on the residual stream (fp32 under autocast too), per token, over the sequence-parallel region.
+
+    LayerNorm's kernel keeps its input and the fp32 mean and rstd; RMSNorm keeps its input and rstd, and
+    on CPU (torch's composite x * rsqrt(mean(x^2) + eps) * w) also the normalized x its weight multiplies."""
+    kept = d.h * FP32 + (FP32 if d.rmsnorm else 2 * FP32) + (d.h * FP32 if d.rmsnorm and d.cpu else 0)
+    return kept / d.seq
+
+
+def _attention_core(d: _Shape, selective: bool) -> float:
+    """The attention core's saves per token (this rank's heads, so / t), q, k, v from the fused qkv linear.
+
+    Without RoPE q, k, v are views of the qkv output, so its storage (h + 2kv) is what they keep. RoPE
+    makes new q and k (h and kv), while v stays a view of qkv. Grouped-query attention repeats k and v
+    to the query heads (two new h tensors) before SDPA. Fused SDPA then keeps q, k, v, its output (h)
+    and the fp32 log-sum-exp (a values); its output follows q's layout, so for RoPE's contiguous q the
+    (B, T, h) input of the output projection is a copy (h), for a view of qkv it is the same storage.
+    The math path (CPU, attention dropout) keeps scaled q and k and v (3h, fp32 even under autocast), the
+    projection's input (h) and the softmax, dropout noise and dropped probabilities (a*s fp32 each:
+    Korthikanti's 5as/h term, there 2 + 1 + 2 bytes).
+    With selective recomputation the core keeps only its inputs; the projection's input stays (h)."""
+    h, kv = d.h, d.kv
+    qkv = h + 2 * kv
+    inputs = qkv if not d.rope else h + kv + qkv
+    if selective:
+        return (inputs + h) * d.e / d.t
+    if not d.fused_attention:  # CPU's math path computes in fp32 under autocast too, then casts its output back
+        return (3 * h * FP32 + h * d.e + d.a * d.s * 3 * FP32) / d.t
+    if d.groups > 1:  # k, v repeated: q (a view of qkv, or RoPE's), k_rep, v_rep
+        kept = (qkv if not d.rope else h) + 2 * h
+    else:
+        kept = inputs
+    out = h + (h if d.rope else 0)  # SDPA's output, and the projection's copy of it after RoPE
+    return (kept + out) * d.e / d.t + d.a * FP32 / d.t
+
+
+def _mlp(d: _Shape) -> float:
+    """GELU: fc1's output (GELU's input) and GELU's output (fc2's input), f each. SwiGLU: fc1's output
+    [gate | up] (2f, SiLU and the product keep views of it), SiLU's output and the product (f each). / t."""
+    return (4 if d.swiglu else 2) * d.f * d.e / d.t
+
+
+def _hidden_dropout(d: _Shape) -> float:
+    """The dropout after each row-parallel linear (attention output, MLP output), on the sequence shard
+    under sp. Its input is the compute dtype, or fp32 when tp's row-parallel bias is added after autocast."""
+    if d.dropout <= 0:
+        return 0.0
+    element = FP32 if d.autocast and d.t > 1 and d.bias else d.e
+    return 2 * d.h * d.mask(element) / d.seq
+
+
+def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Optional[str] = None) -> Dict[str, float]:
+    """Bytes one transformer layer keeps for backward for one micro-batch on one rank, by term.
+
+    `recompute` overrides parallel.recompute (none | selective | full); `device` (cpu | cuda) defaults to
+    trainer.device (auto: cuda). Per token, times s*b:
+    - norms: the two pre-norms (see `_norm`), / t under sequence parallelism;
+    - linear_inputs: the inputs of qkv and fc1, h each in the compute dtype: the norm's output (a copy under
+      autocast), never sharded (tp: a view behind Megatron's f; sp: the all-gathered sequence);
+    - attention: `_attention_core`; mlp: `_mlp`; dropout: `_hidden_dropout`;
+    - full recomputation: only the block input the checkpoint saves, h fp32 (/ t under sp).
+    """
+    d = _shape(cfg, world, device)
+    mode = cfg.parallel.recompute if recompute is None else recompute
+    tokens = d.s * d.b
+    if mode == "full":
+        return {"layer_input": tokens * d.h * FP32 / d.seq}
+    if mode not in ("none", "selective"):
+        raise ConfigError(f"recompute={mode} is not one of none, selective, full")
+    return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e,
+            "attention": tokens * _attention_core(d, mode == "selective"), "mlp": tokens * _mlp(d),
+            "dropout": tokens * _hidden_dropout(d)}
+
+
+def layer_activation_bytes(cfg, world: int, recompute: Optional[str] = None, device: Optional[str] = None) -> int:
+    """Bytes one transformer layer saves for backward, one micro-batch, one rank (tp, sp, recompute applied).
+
+    For the default GPT-2 layer (LayerNorm, GELU, learned positions, no dropout) in fp32 without
+    parallelism this is s*b*(64h + 4a + 16) bytes: 16h elements of 4 bytes (Korthikanti's 34 bytes less
+    5as/h and the two 1-byte dropout masks are the same 16 elements in fp16) and the fp32 log-sum-exp and
+    norm statistics; see `layer_terms`."""
+    return round(sum(layer_terms(cfg, world, recompute, device).values()))
+
+
+def embedding_bytes(cfg, world: int, device: Optional[str] = None) -> int:
+    """What the first stage keeps for one micro-batch before the layers: the token ids its lookup reads
+    (int64; under tp the local ids and the out-of-shard mask, 9 bytes; under pp without tp the lookup
+    reads a view of the step's joined batch, counted once by `stage_activation_bytes`), the learned
+    positions' ids (s int64), and with dropout its mask on the fp32 embedding, on the sequence shard when
+    sp scatters first (RoPE models reduce-scatter the lookup; learned positions are added before the
+    scatter)."""
+    d = _shape(cfg, world, device)
+    tokens = d.s * d.b
+    ids = INT64 + 1 if d.t > 1 else (0 if cfg.parallel.pp > 1 else INT64)
+    kept = tokens * ids + (0 if d.rope else d.s * INT64)
+    if d.dropout > 0:
+        kept += tokens * d.h * d.mask(FP32) / (d.seq if d.rope else 1)
+    return round(kept)
+
+
+def logits_and_loss_bytes(cfg, world: int, device: Optional[str] = None) -> int:
+    """The last stage's logits and cross-entropy buffers for one micro-batch (megalm.models.losses).
+
+    Without tp, F.cross_entropy keeps its fp32 log-softmax (padded vocabulary V) and the int64 targets;
+    with tp, the vocabulary-parallel loss keeps its fp32 softmax of V/t columns, the local target ids
+    and two bool masks. The masked mean keeps the fp32 loss mask. The logits themselves are not kept.
+    A fine-tuning head (classifier, multiple choice) keeps almost nothing per token: 0."""
+    d = _shape(cfg, world, device)
+    if not d.lm_head:
+        return 0
+    per_token = FP32 * d.vocab / d.t + INT64 + FP32 + (2 if d.t > 1 else 0)
+    return round(d.s * d.b * per_token)
+
+
+def head_bytes(cfg, world: int, device: Optional[str] = None) -> int:
+    """The last stage's final norm (`_norm`) and the head's input (h in the compute dtype, full sequence:
+    a view behind f under tp, gathered under sp), for one micro-batch; without the loss buffers."""
+    d = _shape(cfg, world, device)
+    return round(d.s * d.b * (_norm(d) + d.h * d.e))
+
+
+def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
+    """Under autocast each linear keeps the half-precision copy of its weight it multiplied with: qkv, proj,
+    fc1, fc2 of each layer that is not recomputed whole, and the head's on the last stage (/ t). Autocast
+    caches the copy for its context, so a rank holds one set however many micro-batches are in flight."""
+    if not d.autocast:
+        return 0
+    per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + d.h * d.f * (3 if d.swiglu else 2)
+    return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t
+
+
+def schedule_actions(schedule: str, pp: int, rank: int, v: int, m: int) -> List[Tuple[str, int, int]]:
+    """The compute actions pipeline rank `rank` runs in one step, in order, each as (kind, local
+    stage k, micro-batch): `schedule_order`'s actions of that rank, its stages numbered in its own order.
+
+    With stages of equal size the forwards alive at the peak (in virtual-stage units; divide by v for
+    whole-rank micro-batches) come out as: gpipe m; 1f1b min(pp - rank, m); interleaved_1f1b
+    min((v - 1) * R + 2 * (pp - 1 - rank) + 1, m * v) with R = m / max(1, m // pp) micro-batches a
+    round (Megatron's (pp - rank - 1) * 2 + (v - 1) * pp warm-up plus the forward of the first 1F1B
+    step, arXiv:2104.04473 sec. 2.2); interleaved_zb min((v - 1) * R + pp, m * v), the same for every
+    rank (its warm-up is shorter by pp - 1 - rank, its weight passes trail by rank); zbv
+    min(2 * pp, m + 1 + rank). A zero-bubble forward stays alive until its weight pass."""
+    if schedule not in ("gpipe", "1f1b", *MULTI_STAGE):
+        raise ConfigError(f"parallel.pipeline_schedule={schedule} is not one of gpipe, 1f1b, "
+                          f"{', '.join(MULTI_STAGE)}")
+    local = {s: k for k, s in enumerate(virtual_stages_of(rank, pp, v, schedule))}
+    return [(kind, local[s], i) for kind, s, i in schedule_order(schedule, pp, v, m)[rank]]
+
+
+def _peak(actions, kept: List[int], freed_by_input: List[int]) -> Tuple[int, int]:
+    """The largest sum of activations alive over the actions, and the forwards alive at that moment."""
+    live = alive = peak = at_peak = 0
+    for kind, k, _ in actions:
+        if kind == "F":
+            live, alive = live + kept[k], alive + 1
+            if live > peak:
+                peak, at_peak = live, alive
+        elif kind == "I":
+            live -= freed_by_input[k]
+        else:  # B frees the whole forward, W what the input pass left
+            live -= kept[k] - (freed_by_input[k] if kind == "W" else 0)
+            alive -= 1
+    return peak, at_peak
+
+
+def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] = None) -> Dict[str, object]:
+    """Activation memory of pipeline rank `pp_rank` (any tp / dp rank of it), over all its virtual stages.
+
+    Keys: layers (transformer layers it holds), per_microbatch (bytes one micro-batch leaves saved on it:
+    its layers, the embedding on the first stage, final norm, head input and loss buffers on the last),
+    logits_and_loss (those loss buffers, 0 off the last stage), microbatches (m = global_batch /
+    (micro_batch * dp)), in_flight (micro-batches alive at the peak, in whole-rank units: forwards of its
+    virtual stages alive / their number), weight_copies (autocast's half-precision weights, once),
+    batch_ids (the step's token ids a pipeline's first stage keeps without tp, once), peak (the largest
+    total of saved activations during a step: the schedule's peak of per-stage bytes plus the two above),
+    recompute_transient (what the backward of one recomputed layer rebuilds while it runs, on top of
+    peak), per_stage (bytes of one micro-batch through each virtual stage, in this rank's order).
+
+    Layer ranges come from megalm.parallel.stages, as parallelize splits them; the schedule's order of
+    forwards and backwards from `schedule_actions`. Without a pipeline the trainer runs each micro-batch's
+    forward and backward before the next: one in flight.
+    """
+    from megalm.distributed.mesh import ParallelDims
+    from megalm.parallel.stages import stage_layer_ranges, virtual_stages_of
+    p, t = cfg.parallel, cfg.trainer
+    d = _shape(cfg, world, device)
+    dims = ParallelDims.from_config(p, world)
+    if not 0 <= pp_rank < dims.pp:
+        raise ValueError(f"pp_rank={pp_rank} is outside the pipeline of parallel.pp={dims.pp} ranks")
+    if t.global_batch_size % (t.micro_batch_size * dims.dp):
+        raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size("
+                          f"{t.micro_batch_size}) * dp({dims.dp})")
+    m = t.global_batch_size // (t.micro_batch_size * dims.dp)
+    v = 1 if dims.pp == 1 else (2 if p.pipeline_schedule == "zbv" else p.virtual_pipeline_size)
+    num_stages = dims.pp * v
+    ranges = stage_layer_ranges(cfg.model.num_layers, num_stages, p.layers_per_stage if dims.pp > 1 else None)
+    stage_ids = virtual_stages_of(pp_rank, dims.pp, v, p.pipeline_schedule) if dims.pp > 1 else [0]
+    plain = layer_activation_bytes(cfg, world, "none" if p.recompute == "full" else None, device)
+    whole = layer_activation_bytes(cfg, world, "full", device)
+    rebuilt = layer_activation_bytes(cfg, world, "none", device) - layer_activation_bytes(cfg, world, None, device)
+    n_full = cfg.model.num_layers if p.recompute_num_layers is None else p.recompute_num_layers
+    head, loss = head_bytes(cfg, world, device), logits_and_loss_bytes(cfg, world, device)
+    kept, freed_by_input, kept_layers = [], [], 0
+    for s in stage_ids:
+        n = len(ranges[s])
+        full = min(n, n_full) if p.recompute == "full" else 0
+        kept_layers += n - full
+        last = s == num_stages - 1
+        kept.append(full * whole + (n - full) * plain + (embedding_bytes(cfg, world, device) if s == 0 else 0)
+                    + (head + loss if last else 0))
+        # The zero-bubble input pass drops what no weight gradient needs: the loss buffers behind the head.
+        freed_by_input.append(loss if last else 0)
+    weights = _weight_copy_bytes(d, kept_layers, num_stages - 1 in stage_ids)
+    # The schedule splits the step's joined batch: without tp the embedding keeps views of its token ids.
+    batch_ids = m * d.b * d.s * INT64 if dims.pp > 1 and d.t == 1 and 0 in stage_ids else 0
+    if dims.pp == 1:
+        peak, alive = kept[0], 1
+    else:
+        peak, alive = _peak(schedule_actions(p.pipeline_schedule, dims.pp, pp_rank, v, m), kept, freed_by_input)
+    return {"layers": sum(len(ranges[s]) for s in stage_ids), "per_microbatch": sum(kept),
+            "logits_and_loss": loss if num_stages - 1 in stage_ids else 0, "microbatches": m,
+            "in_flight": alive / v, "weight_copies": weights, "batch_ids": batch_ids,
+            "peak": peak + weights + batch_ids, "recompute_transient": rebuilt, "per_stage": kept}
+
+
+# ---------------------------------------------------------------------------------------------
+# Collectives of a step, and the model state a rank holds
+# ---------------------------------------------------------------------------------------------
+#
+# The collectives of one optimizer step and the exact model state of one rank, as formulas.
+#
+# Every count here is what megalm's code issues, term by term, for a GPT language model (the only
+# family covered yet); bytes are counted as megalm.distributed.comm.CommStats counts them: an
+# all-reduce its full tensor, an all-gather its local input, a reduce-scatter its full input, a
+# send or receive its tensor. What is structural (which layers and buckets a rank holds, the ZeRO
+# shards, padding included) is read off the meta-device model laid out over a fake process group
+# of the layout's size, by the same code a run uses (megalm.parallel.parallelize and the
+# DataParallel bucket layout); nothing is allocated. The rest is arithmetic on the config.
+#
+# Shapes: b = trainer.micro_batch_size, s = model.seq_length, h = model.hidden_size, m micro-batches a
+# step (global_batch_size / (b dp)), L the layers this rank runs. fp32 tensors cost 4 bytes an element;
+# under trainer.precision bf16 / fp16, autocast runs the matmuls in 2-byte floats, so a row-parallel
+# layer's partial sums (and their gradients) are 2 bytes an element, while the embedding, the norms'
+# outputs, the residual stream that crosses pipeline stages and the loss's scalars stay fp32.
+#
+# A step means a step after the first, as the trainer runs it: in the first, torch's pipeline schedules
+# also infer the stages' shapes, which can run a stage's forward once more.
+
+PURPOSES = ("tp", "pp", "dp", "embedding", "other")
+ZERO_BUBBLE = ("interleaved_zb", "zbv")  # weight-gradient passes of their own (no accumulate hooks)
+
+Kinds = Dict[str, Dict[str, int]]        # {kind: {"calls": n, "bytes": b}}
+Collectives = Dict[str, Kinds]           # {purpose: Kinds}
+
+
+@dataclasses.dataclass(frozen=True)
+class RankLayout:
+    """What one rank of a layout holds and runs, read off the meta-device model (elements, not bytes)."""
+    tp: int
+    pp: int
+    dp: int
+    pp_rank: int
+    stage_layers: Tuple[int, ...]      # layers of each of this rank's (virtual) stages, in its order
+    stage_ids: Tuple[int, ...]
+    owner: Tuple[int, ...]             # the pp rank running each stage
+    params: int                        # elements this rank's model holds (a tied weight once)
+    param_bytes: int
+    buckets: Tuple[Tuple[int, int], ...] = ()  # (elements padded to a multiple of dp, elements / dp)
+    zero3_unit_buckets: Tuple[int, ...] = ()   # ZeRO-3: per unit, the shard elements of its buckets
+    zero3_unit_calls: int = 0                  # ZeRO-3: the buckets of every unit (a shared one per unit)
+    owned: int = 0                     # elements of this rank's ZeRO shards of real parameters
+    sp_elements: int = 0               # gradient elements summed over tp (sequence-parallel tags)
+    tied_elements: int = 0             # gradient elements summed over the embedding group
+    embedding_group: bool = False
+
+    @property
+    def first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def last(self) -> bool:
+        return len(self.owner) - 1 in self.stage_ids
+
+
+_CACHE: Dict[tuple, RankLayout] = {}
+
+
+def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int):
+    from megalm.distributed.mesh import ParallelDims
+    m, p, d = cfg.model, cfg.parallel, cfg.data
+    if m.arch != "gpt" or getattr(m, "fine_tuning_head", False):
+        raise ConfigError(f"megalm.plan's collective formulas cover GPT language models; model.arch={m.arch!r}"
+                          f"{' with a fine-tuning head' if m.arch == 'gpt' else ''} is not modelled yet")
+    if d.source == "sft" and d.packing:
+        raise ConfigError("data.packing=true: stage boundaries then carry position and segment ids, which "
+                          "megalm.plan's collective formulas do not model yet")
+    dims = ParallelDims.from_config(p, world)
+    if p.zero_stage == 3 and dims.pp > 1 and p.pipeline_schedule in ZERO_BUBBLE:
+        raise ConfigError(f"parallel.zero_stage=3 with pipeline_schedule={p.pipeline_schedule}: a unit stays "
+                          "gathered from its first input-gradient pass to the end of the step there, so its "
+                          "all-gathers depend on the schedule's order of passes, which is not modelled")
+    for name, value, size in (("pp_rank", pp_rank, dims.pp), ("tp_rank", tp_rank, dims.tp), ("dp_rank", dp_rank, dims.dp)):
+        if not 0 <= value < size:
+            raise ValueError(f"{name}={value} is outside the layout's {size} ({name[:2]}={size})")
+    return dims
+
+
+def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> RankLayout:
+    """The RankLayout of the rank at (pp_rank, dp_rank, tp_rank), from the meta-device model laid out
+    over a fake process group of `world` ranks (torch's testing backend), as megalm.plan does."""
+    dims = _check(cfg, world, pp_rank, tp_rank, dp_rank)
+    # Recomputation changes no parameter, bucket or shard: layouts that differ only there share a reading.
+    layout_fields = dataclasses.replace(cfg.parallel, recompute="none", recompute_num_layers=None)
+    key = (repr(cfg.model), repr(layout_fields), world, pp_rank, tp_rank, dp_rank)
+    if key not in _CACHE:
+        _CACHE[key] = _read_layout(cfg, dims, (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank)
+    return _CACHE[key]
+
+
+def _read_layout(cfg, dims, rank: int) -> RankLayout:
+    import torch.distributed as dist
+    from megalm.distributed.mesh import build_mesh
+    from megalm.models import build_model
+    from megalm.parallel import parallelize
+    from megalm.parallel.data import build_data_parallel
+    p = cfg.parallel
+    world = dims.world_size
+    if world > 1:
+        if dist.is_initialized():
+            raise RuntimeError("rank_layout lays the model out over a fake process group of its own: call it "
+                               "where no process group is initialised (megalm.plan, not inside a run)")
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        mesh = build_mesh(dims, "cpu") if world > 1 else None
+        model = build_model(cfg.model, device="meta")
+        layout = parallelize(model, mesh, p, seed=cfg.trainer.seed)
+        params = list(model.parameters())
+        v = len(layout.stage_ids)
+        owner = tuple(next(r for r in range(dims.pp) if s in virtual_stages_of(r, dims.pp, v, p.pipeline_schedule))
+                      for s in range(layout.num_stages)) if dims.pp > 1 else (0,)
+        fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, pp_rank=rank // (dims.dp * dims.tp),
+                      stage_layers=tuple(len(layout.stage_ranges[s]) for s in layout.stage_ids),
+                      stage_ids=tuple(layout.stage_ids), owner=owner, params=sum(q.numel() for q in params),
+                      param_bytes=sum(q.numel() * q.element_size() for q in params))
+        if mesh is None:
+            return RankLayout(**fields)
+        # The bucket layout of a run (parallel/data.py, zero3.py), built on the meta device.
+        dp = build_data_parallel(model, mesh, layout, p.zero_stage, p.bucket_size_mb)
+        tied = layout.tied_param(model)
+        if dp.sharded:
+            grads = [(s.tensor, s.stop - s.start, s.param is tied) for s in dp.shards]
+        else:
+            grads = [(q, q.numel(), q is tied) for q in dp.params]
+        fields.update(
+            buckets=tuple((b.size, b.shard_size) for b in dp.buckets),
+            owned=sum(s.stop - s.start for s in dp.shards),
+            sp_elements=sum(n for t, n, _ in grads if getattr(t, "sequence_parallel", False)),
+            tied_elements=sum(n for _, n, is_tied in grads if is_tied),
+            embedding_group=layout.embedding_group is not None)
+        if p.zero_stage == 3:
+            fields["zero3_unit_buckets"] = tuple(sum(b.shard_size for b in dp.unit_buckets[u]) for u in dp.units)
+            fields["zero3_unit_calls"] = sum(len(dp.unit_buckets[u]) for u in dp.units)
+        return RankLayout(**fields)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# One step's collectives
+# ---------------------------------------------------------------------------------------------
+
+def _add(kinds: Kinds, kind: str, calls: int, nbytes: int) -> None:
+    if calls:
+        entry = kinds.setdefault(kind, {"calls": 0, "bytes": 0})
+        entry["calls"] += calls
+        entry["bytes"] += nbytes
+
+
+def microbatches(cfg, dp: int) -> int:
+    t = cfg.trainer
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
+    """Tensor- and sequence-parallel collectives of one step on this rank (megalm.parallel.tensor).
+
+    Megatron-LM (Shoeybi et al., arXiv:1909.08053, sec. 3): a column-parallel linear's f is the
+    identity forward and an all-reduce of its input's gradient backward; a row-parallel linear's g
+    all-reduces its partial output forward. A layer has two pairs (attention qkv -> proj, MLP fc1 ->
+    fc2): per micro-batch 2 all-reduces of (b, s, h) forward and 2 backward. The vocabulary-parallel
+    embedding all-reduces its lookup forward; the head is column-parallel (one f); the vocabulary-
+    parallel cross-entropy all-reduces the max (b, s) and then (sum of exp, target logit) (2, b, s)
+    in fp32 (label smoothing 0, GPT's loss).
+
+    Sequence parallelism (Korthikanti et al., arXiv:2205.05198, sec. 4.2.2) turns each f into an
+    all-gather of the (b, s/tp, h) shard forward and a reduce-scatter of (b, s, h) backward, each g
+    into a reduce-scatter forward and an all-gather backward. The embedding's lookup is all-reduced
+    and then split by sequence (learned positions are added to the whole sequence; the split's
+    backward all-gathers), or with RoPE reduce-scattered straight into shards (its backward
+    all-gathers). Once a step the gradients of sequence-parallel parameters (norms, row-parallel
+    biases: this rank's elements of them) are summed over tp in one all-reduce (parallel/grads.py).
+
+    Full recomputation (parallel/recompute.py, torch.utils.checkpoint non-reentrant) replays each
+    recomputed layer's forward in backward, up to the last operation that saves a tensor for
+    backward (checkpoint's early stop): the attention's g, and the MLP's g only when hidden dropout
+    is on (dropout saves its mask; with none, nothing after that g saves anything). Selective
+    recomputation replays the attention core, which communicates nothing.
+    """
+    kinds: Kinds = {}
+    if lay.tp == 1:
+        return kinds
+    mdl, p, t = cfg.model, cfg.parallel, cfg.trainer
+    tp, sp = lay.tp, p.sequence_parallel
+    b, s, h = t.micro_batch_size, mdl.seq_length, mdl.hidden_size
+    low = 2 if t.precision in ("bf16", "fp16") else 4
+    act, act_low = b * s * h * FP32, b * s * h * low           # (b, s, h): fp32; a matmul's output
+    shard, shard_low = act // tp, act_low // tp                # (b, s/tp, h)
+    layers = sum(lay.stage_layers)
+    if p.recompute == "full":
+        n = p.recompute_num_layers
+        replayed = sum(k if n is None else min(n, k) for k in lay.stage_layers)
+    else:
+        replayed = 0
+    g_replayed = replayed * (2 if mdl.dropout > 0 else 1)
+    per_mb: Kinds = {}
+    if lay.first:
+        if sp and mdl.position_embedding != "learned":
+            _add(per_mb, "reduce_scatter", 1, act)
+        else:
+            _add(per_mb, "all_reduce", 1, act)
+        if sp:
+            _add(per_mb, "all_gather", 1, shard)  # backward of the sequence split
+    if sp:
+        _add(per_mb, "all_gather", 2 * layers + 2 * replayed, shard * (2 * layers + 2 * replayed))  # f forward
+        _add(per_mb, "reduce_scatter", 2 * layers + g_replayed, act_low * (2 * layers + g_replayed))  # g forward
+        _add(per_mb, "reduce_scatter", 2 * layers, act * 2 * layers)                # f backward
+        _add(per_mb, "all_gather", 2 * layers, shard_low * 2 * layers)              # g backward
+    else:
+        _add(per_mb, "all_reduce", 2 * layers + g_replayed, act_low * (2 * layers + g_replayed))  # g forward
+        _add(per_mb, "all_reduce", 2 * layers, act * 2 * layers)                    # f backward
+    if lay.last:
+        if sp:
+            _add(per_mb, "all_gather", 1, shard)
+            _add(per_mb, "reduce_scatter", 1, act)
+        else:
+            _add(per_mb, "all_reduce", 1, act)
+        tokens = b * s * FP32
+        _add(per_mb, "all_reduce", 2, tokens + 2 * tokens)
+    m = microbatches(cfg, lay.dp)
+    for kind, e in per_mb.items():
+        _add(kinds, kind, m * e["calls"], m * e["bytes"])
+    if sp and lay.sp_elements:
+        _add(kinds, "all_reduce", 1, lay.sp_elements * FP32)
+    return kinds
+
+
+def pipeline(cfg, lay: RankLayout) -> Kinds:
+    """Point-to-point messages of one step (torch.distributed.pipelining; Narayanan et al.,
+    arXiv:2104.04473, sec. 2.2): per micro-batch and per boundary between two stages of different
+    ranks, the activation (b, s, h) fp32 forward and its gradient backward, each sent by one rank and
+    received by the other; (b, s/tp, h) under sequence parallelism, where the stream between layers
+    is split by sequence. Every schedule sends the same messages, only in another order; a boundary
+    between two stages of one rank (ZBV's turn of the V) is handed over in memory."""
+    kinds: Kinds = {}
+    if lay.pp == 1:
+        return kinds
+    mdl, t = cfg.model, cfg.trainer
+    seq = mdl.seq_length // lay.tp if cfg.parallel.sequence_parallel else mdl.seq_length
+    msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
+    crossings = sum((s > 0 and lay.owner[s - 1] != lay.pp_rank) + (s < len(lay.owner) - 1 and lay.owner[s + 1] != lay.pp_rank)
+                    for s in lay.stage_ids)
+    m = microbatches(cfg, lay.dp)
+    # each crossing: one direction sends forward and receives backward, the other the reverse
+    _add(kinds, "send", m * crossings, m * crossings * msg)
+    _add(kinds, "recv", m * crossings, m * crossings * msg)
+    return kinds
+
+
+def data_parallel(cfg, lay: RankLayout) -> Kinds:
+    """Gradient and parameter collectives over dp of one step (parallel/data.py, zero3.py).
+
+    ZeRO (Rajbhandari et al., arXiv:1910.02054): one collective per gradient bucket, each bucket
+    padded to a multiple of dp: an all-reduce (stage 0) or a reduce-scatter (stages 1-3) of the
+    whole bucket, fp32. Stages 1 and 2 all-gather each bucket's 1/dp of updated parameters after the
+    optimizer step. Stage 3 (sec. 5.3) instead gathers parameters when they are used: every micro-
+    batch, each unit's buckets in its forward (a bucket two units share, the tied embedding, once for
+    each) and every bucket once in backward. A run of one rank in dp without ZeRO has no buckets
+    and communicates nothing here."""
+    kinds: Kinds = {}
+    if not lay.buckets:
+        return kinds
+    z = cfg.parallel.zero_stage
+    n = len(lay.buckets)
+    full = sum(size for size, _ in lay.buckets) * FP32
+    shards = sum(shard for _, shard in lay.buckets) * FP32
+    _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, full)
+    if z in (1, 2):
+        _add(kinds, "all_gather", n, shards)
+    elif z == 3:
+        m = microbatches(cfg, lay.dp)
+        _add(kinds, "all_gather", m * (lay.zero3_unit_calls + n), m * (sum(lay.zero3_unit_buckets) * FP32 + shards))
+    return kinds
+
+
+def embedding(cfg, lay: RankLayout) -> Kinds:
+    """The tied embedding's gradient summed between the first stage's embedding and the last stage's
+    head copy (Megatron's embedding group; Narayanan et al., arXiv:2104.04473): one all-reduce a step of
+    this rank's elements of it (its ZeRO shard, or the whole vocabulary shard)."""
+    kinds: Kinds = {}
+    if lay.embedding_group and lay.tied_elements:
+        _add(kinds, "all_reduce", 1, lay.tied_elements * FP32)
+    return kinds
+
+
+def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Kinds:
+    """The part of "other" issued through torch.distributed directly, which count_comm does not see:
+    the pipeline's mean loss broadcast from the last stage (Pipeline._share, one fp32), the logged
+    loss averaged over dp (trainer: grads.mean_over, one fp32) and under fp16 the overflow vote over
+    every rank (DynamicLossScaler, one fp32)."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
+    kinds: Kinds = {}
+    if lay.pp > 1:
+        _add(kinds, "broadcast", 1, FP32)
+    if lay.dp > 1:
+        _add(kinds, "all_reduce", 1, FP32)
+    if cfg.trainer.precision == "fp16" and world > 1:
+        _add(kinds, "all_reduce", 1, FP32)
+    return kinds
+
+
+def other(cfg, lay: RankLayout) -> Kinds:
+    """The gradient norm's scalars (parallel/grads.py): the squared sums of tp-sharded gradients
+    summed over tp (one fp32), the stages' totals over pp (one fp32), and under ZeRO the shards'
+    two partial sums over dp (two fp32), each only over a group of more than one rank."""
+    kinds: Kinds = {}
+    if lay.tp > 1:
+        _add(kinds, "all_reduce", 1, FP32)
+    if lay.pp > 1:
+        _add(kinds, "all_reduce", 1, FP32)
+    if cfg.parallel.zero_stage >= 1 and lay.dp > 1:
+        _add(kinds, "all_reduce", 1, 2 * FP32)
+    return kinds
+
+
+def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Collectives:
+    """The collectives one optimizer step (all its micro-batches) issues on the rank at (pp_rank,
+    dp_rank, tp_rank), by purpose: {"tp", "pp", "dp", "embedding", "other"} -> {kind: {"calls",
+    "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast. dp_rank matters
+    only for ZeRO's padding, which the last dp rank's shard holds. `cfg` is the composed Config
+    (megalm.plan.compose); "other" includes `untracked_collectives`."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
+    out = {"tp": tensor_parallel(cfg, lay), "pp": pipeline(cfg, lay), "dp": data_parallel(cfg, lay),
+           "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
+    for kind, e in untracked_collectives(cfg, world, pp_rank, tp_rank, dp_rank).items():
+        _add(out["other"], kind, e["calls"], e["bytes"])
+    return out
+
+
+def by_kind(collectives: Collectives, minus: Optional[Kinds] = None) -> Kinds:
+    """Calls and bytes per kind over every purpose, less `minus` (e.g. untracked_collectives: what
+    count_comm() then records); kinds left with no call are dropped."""
+    total: Kinds = {}
+    for kinds in collectives.values():
+        for kind, e in kinds.items():
+            _add(total, kind, e["calls"], e["bytes"])
+    for kind, e in (minus or {}).items():
+        left = total.get(kind, {"calls": 0, "bytes": 0})
+        total[kind] = {"calls": left["calls"] - e["calls"], "bytes": left["bytes"] - e["bytes"]}
+    return {k: e for k, e in total.items() if e["calls"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Model state
+# ---------------------------------------------------------------------------------------------
+
+def optimizer_moments(cfg) -> int:
+    """fp32 tensors of optimizer state per parameter element: Adam's two moments; SGD's momentum buffer."""
+    o = cfg.optimizer
+    if o.name == "adamw":
+        return 2
+    if o.name == "sgd":
+        return 1 if o.momentum else 0
+    raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
+
+
+def exact_model_state_bytes(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Dict[str, int]:
+    """Bytes of weights, gradients and optimizer state the rank holds right after an optimizer step
+    (before the gradients are zeroed), as megalm.training.memory.measured_model_state_bytes reports.
+
+    fp32 weights, fp32 gradients, fp32 optimizer moments (megalm.training.memory; ZeRO, arXiv:1910.02054,
+    sec. 5): with gradient buckets the gradients are the buckets' buffers, padding included: whole
+    (ZeRO 0, 1) or this rank's 1/dp chunk (ZeRO 2, 3); ZeRO 1-3 keep optimizer state for this rank's
+    shards of real parameters only (no padding); ZeRO-3 keeps the weights' 1/dp chunks, padding
+    included. A single process, or a run without buckets (dp 1, ZeRO 0), holds one gradient per
+    parameter; ZeRO needs more than one rank (a single process runs unsharded)."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
+    k = optimizer_moments(cfg)
+    z = cfg.parallel.zero_stage
+    if not lay.buckets:
+        return {"weights": lay.param_bytes, "grads": lay.params * FP32, "optimizer": k * lay.params * FP32}
+    full = sum(size for size, _ in lay.buckets) * FP32
+    chunks = sum(shard for _, shard in lay.buckets) * FP32
+    return {"weights": chunks if z == 3 else lay.param_bytes,
+            "grads": full if z <= 1 else chunks,
+            "optimizer": k * (lay.owned if z >= 1 else lay.params) * FP32}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,6 +1017,20 @@ def stage_owner(schedule: str, pp: int, num_stages: int) -> List[int]:
     return [next(r for r in range(pp) if s in virtual_stages_of(r, pp, v, schedule)) for s in range(num_stages)]
 
 
+def compute_bubble(cfg, pp: int, m: int) -> Dict[int, float]:
+    """Each pipeline rank's idle share of the step with compute alone: the schedule's order simulated with
+    each stage's FLOPs (`stage_work`) as its time and nothing for transfers, so unequal stages (the head
+    on the last) count and no cluster figures are needed."""
+    layers = stage_layers(cfg, pp)
+    owner = stage_owner(cfg.parallel.pipeline_schedule, pp, len(layers))
+    work = [stage_work(cfg, n, s == len(layers) - 1, 1) for s, n in enumerate(layers)]
+    flops = {"F": lambda w: w.forward, "B": lambda w: w.backward, "I": lambda w: w.input_grad,
+             "W": lambda w: w.weight_grad}
+    sim = simulate(schedule_order(cfg.parallel.pipeline_schedule, pp, len(layers) // pp, m),
+                   lambda kind, s: flops[kind](work[s]), lambda a, b: 0.0, lambda s: owner[s], len(layers))
+    return {r: sim.idle_share(r) for r in range(pp)}
+
+
 def bubble_equal_stages(pp: int, m: int, v: int = 1) -> float:
     """The bubble as a share of the step with equal stages and no communication time: (p - 1) / (m v + p - 1)
     (Narayanan et al. 2021, arXiv:2104.04473 sec. 2.2: bubble time over ideal time is (p - 1) / (m v))."""
@@ -343,6 +1075,19 @@ def optimizer_seconds(model_state_bytes: float, cluster) -> float:
     return model_state_bytes * ADAM_BYTES_PER_STATE_BYTE / cluster.memory_bandwidth
 
 
+def estimate_requirements(cfg, world: int) -> List[str]:
+    """The cluster-profile fields a step-time estimate of `world` devices needs and cfg.cluster lacks."""
+    c = cfg.cluster
+    missing = []
+    if peak_flops(c, cfg.trainer.precision) is None:
+        missing.append(f"cluster.peak_flops_per_dtype.{cfg.trainer.precision} (or cluster.peak_flops)")
+    if world > 1 and not c.intra_node_bandwidth:
+        missing.append("cluster.intra_node_bandwidth")
+    if world > c.devices_per_node and not c.inter_node_bandwidth:
+        missing.append("cluster.inter_node_bandwidth")
+    return missing
+
+
 def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float]]]],
                   state_bytes: Dict[int, float]) -> Dict[str, object]:
     """Step time, tokens/s and MFU of a layout on cfg.cluster, or {"missing": [what the profile lacks]}.
@@ -365,17 +1110,10 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     The step ends when the slowest pipeline rank has done all of it.
     """
     c, p, t = cfg.cluster, cfg.parallel, cfg.trainer
-    missing = []
-    peak = peak_flops(c, t.precision)
-    if peak is None:
-        missing.append(f"cluster.peak_flops_per_dtype.{t.precision} (or cluster.peak_flops)")
-    multi_node = dims.world_size > c.devices_per_node
-    if dims.world_size > 1 and not c.intra_node_bandwidth:
-        missing.append("cluster.intra_node_bandwidth")
-    if multi_node and not c.inter_node_bandwidth:
-        missing.append("cluster.inter_node_bandwidth")
+    missing = estimate_requirements(cfg, dims.world_size)
     if missing:
         return {"missing": missing}
+    peak = peak_flops(c, t.precision)
     rate = peak * c.matmul_efficiency
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
     layers = stage_layers(cfg, dims.pp)
