@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from megalm.errors import ConfigError, cli_errors
@@ -112,7 +113,8 @@ def plan(cfg, world: int) -> Dict[str, Any]:
                 continue
             model_state = held["weights"] + held["grads"] + held["optimizer"]
             if tp_rank == 0:
-                comm[stage], state[stage] = coll, model_state
+                comm[stage] = coll
+                state[stage] = q["params"] / (dims.dp if p.zero_stage >= 1 else 1)
             total = model_state + act["peak"]
             q.update({
                 "weights_bytes": held["weights"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
@@ -217,62 +219,83 @@ def _state_estimate(cfg, world: int, pp_rank: int) -> float:
         stage_params_estimate(cfg, world, pp_rank)
 
 
-def search(cfg, gpus: int, top: int = 10) -> Dict[str, Any]:
+def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any]], str]:
+    """(name, the fastest fitting recompute x ZeRO option of one candidate layout or None, why none)."""
+    from megalm.plan import formulas as f
+    from megalm.validation import validate
+    tp, pp, dp, schedule, v, mbs = candidate
+    name = f"tp{tp} pp{pp} dp{dp}" + (f" {schedule} v{v}" if pp > 1 else "") + f" mbs{mbs}"
+    layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule,
+                  virtual_pipeline_size=v, layers_per_stage=None, recompute_num_layers=None, micro_batch_size=mbs)
+    try:
+        validate(_with(cfg, zero_stage=0, recompute="none", **layout), gpus)
+    except ConfigError as e:
+        return name, None, str(e)
+    best, reasons = None, []
+    for recompute, zero in itertools.product(RECOMPUTE, ZERO):
+        c = _with(cfg, zero_stage=zero, recompute=recompute, **layout)
+        try:
+            validate(c, gpus)
+            peak = max(f.stage_activation_bytes(c, gpus, s)["peak"] + _state_estimate(c, gpus, s) for s in range(pp))
+            if peak > c.cluster.memory_per_device_gb * GB:
+                reasons.append(f"needs {peak / GB:.1f} GB a device with recompute={recompute}, ZeRO-{zero}")
+                continue
+            # Under an even split the middle pipeline ranks hold and send alike: read one of them.
+            like = {s: s if s in (0, pp - 1) else 1 for s in range(pp)}
+            read = {s: f.step_collectives(c, gpus, s, 0) for s in set(like.values())}
+            est = f.estimate_step(c, _dims(c, gpus), {s: read[like[s]] for s in range(pp)},
+                                  {s: stage_params_estimate(c, gpus, s) / (dp if zero >= 1 else 1) for s in range(pp)})
+        except ConfigError as e:  # an option the run refuses, or one the formulas do not model
+            reasons.append(f"recompute={recompute}, ZeRO-{zero}: {e}")
+            continue
+        if best is None or est["step_seconds"] < best["step_seconds"]:
+            best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule if pp > 1 else None,
+                    "virtual_stages": v if pp > 1 else 1, "micro_batch_size": mbs, "recompute": recompute,
+                    "zero_stage": zero, "sequence_parallel": tp > 1, "peak_bytes": peak,
+                    "step_seconds": est["step_seconds"], "tokens_per_second": est["tokens_per_second"],
+                    "mfu": est["mfu"], "bubble": max(est["bubble"].values())}
+    if best is not None:
+        return name, best, ""
+    fits = [r for r in reasons if r.startswith("needs ")]
+    return name, None, min(fits, key=lambda r: float(r.split()[1])) if fits else reasons[-1]
+
+
+def _best_options(cfg, gpus: int, group: List[tuple]) -> List[Tuple[str, Optional[Dict[str, Any]], str]]:
+    return [_best_option(cfg, gpus, c) for c in group]
+
+
+def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     """Rank the layouts of `gpus` devices by estimated step time; say why the others were dropped.
 
     Every (tp, pp, schedule, micro-batch) of `candidates` is tried with each recomputation (none,
     selective, full) and ZeRO stage (0-3); the options whose peak fits the device are estimated and the
     fastest is kept. A layout the run itself would refuse is dropped with its error, one where no option
-    fits with what the leanest option needs."""
+    fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
+    and schedule go to one process, which reads their meta-device layout once)."""
     from megalm.plan import formulas as f
-    from megalm.validation import validate
     if not cfg.cluster.memory_per_device_gb:
         raise ConfigError(f"--search needs the devices' memory: cluster={cfg.cluster.name} has no "
                           "cluster.memory_per_device_gb (choose a cluster preset, e.g. cluster=slurm_h100)")
     missing = f.estimate_requirements(cfg, gpus)
     if missing:
         raise ConfigError(f"--search needs step times: cluster={cfg.cluster.name} lacks {', '.join(missing)}")
-    ranked, dropped = [], {}
-    for tp, pp, dp, schedule, v, mbs in candidates(cfg, gpus):
-        name = f"tp{tp} pp{pp} dp{dp}" + (f" {schedule} v{v}" if pp > 1 else "") + f" mbs{mbs}"
-        layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule,
-                      virtual_pipeline_size=v, layers_per_stage=None, recompute_num_layers=None, micro_batch_size=mbs)
-        try:
-            validate(_with(cfg, zero_stage=0, recompute="none", **layout), gpus)
-        except ConfigError as e:
-            dropped[name] = str(e)
-            continue
-        best, reasons = None, []
-        for recompute, zero in itertools.product(RECOMPUTE, ZERO):
-            c = _with(cfg, zero_stage=zero, recompute=recompute, **layout)
-            try:
-                validate(c, gpus)
-                peak = max(f.stage_activation_bytes(c, gpus, s)["peak"] + _state_estimate(c, gpus, s)
-                           for s in range(pp))
-                if peak > c.cluster.memory_per_device_gb * GB:
-                    reasons.append(f"needs {peak / GB:.1f} GB a device with recompute={recompute}, ZeRO-{zero}")
-                    continue
-                dims = _dims(c, gpus)
-                comm = {s: f.step_collectives(c, gpus, s, 0) for s in range(pp)}
-                est = f.estimate_step(c, dims, comm, {s: _state_estimate(c, gpus, s) for s in range(pp)})
-            except ConfigError as e:  # an option the run refuses, or one the formulas do not model
-                reasons.append(f"recompute={recompute}, ZeRO-{zero}: {e}")
-                continue
-            if best is None or est["step_seconds"] < best["step_seconds"]:
-                best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule if pp > 1 else None,
-                        "virtual_stages": v if pp > 1 else 1, "micro_batch_size": mbs, "recompute": recompute,
-                        "zero_stage": zero, "sequence_parallel": tp > 1, "peak_bytes": peak,
-                        "step_seconds": est["step_seconds"], "tokens_per_second": est["tokens_per_second"],
-                        "mfu": est["mfu"], "bubble": max(est["bubble"].values())}
-        if best is None:
-            fits = [r for r in reasons if r.startswith("needs ")]
-            dropped[name] = min(fits, key=lambda r: float(r.split()[1])) if fits else reasons[-1]
-            continue
-        ranked.append(best)
-    ranked.sort(key=lambda r: r["step_seconds"])
+    groups: Dict[tuple, List[tuple]] = {}
+    for c in candidates(cfg, gpus):
+        groups.setdefault(c[:5], []).append(c)
+    if jobs > 1 and len(groups) > 1:
+        import concurrent.futures
+        import multiprocessing
+        # spawn: a fresh interpreter per worker (each sets up its own fake process groups)
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            results = [r for rs in pool.map(_best_options, *zip(*[(cfg, gpus, g) for g in groups.values()]))
+                       for r in rs]
+    else:
+        results = [r for g in groups.values() for r in _best_options(cfg, gpus, g)]
+    ranked = sorted((best for _, best, _ in results if best is not None), key=lambda r: r["step_seconds"])
+    dropped = {name: why for name, best, why in results if best is None}
     return {"model": cfg.model.name, "cluster": cfg.cluster.name, "gpus": gpus,
             "global_batch_size": cfg.trainer.global_batch_size, "ranked": ranked[:top] if top else ranked,
-            "considered": len(ranked) + len(dropped), "fitting": len(ranked), "dropped": dropped}
+            "considered": len(results), "fitting": len(ranked), "dropped": dropped}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -370,6 +393,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--search", action="store_true",
                     help="rank every tp / pp / schedule / micro-batch / recompute / ZeRO layout of --gpus devices")
     ap.add_argument("--top", type=int, default=10, help="layouts --search prints (0 = all; default 10)")
+    ap.add_argument("--jobs", type=int, default=None,
+                    help="processes --search runs in (default: this machine's CPU count)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
@@ -377,7 +402,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             if args.gpus is None:
                 raise ConfigError("--search needs --gpus N: the devices to lay the model out on")
             cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None)
-            result = search(cfg, args.gpus, args.top)
+            jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
+            if jobs < 1:
+                raise ConfigError(f"--jobs={jobs} must be at least 1")
+            result = search(cfg, args.gpus, args.top, jobs)
             print(json.dumps(result, indent=1) if args.json else format_search(result))
             return
         overrides = list(args.overrides)

@@ -18,6 +18,8 @@ tests/test_plan_collectives.py (count_comm and the held model state), tests/test
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -499,8 +501,10 @@ def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -
     """The RankLayout of the rank at (pp_rank, dp_rank, tp_rank), from the meta-device model laid out
     over a fake process group of `world` ranks (torch's testing backend), as megalm.plan does."""
     dims = _check(cfg, world, pp_rank, tp_rank, dp_rank)
-    # Recomputation changes no parameter, bucket or shard: layouts that differ only there share a reading.
-    layout_fields = dataclasses.replace(cfg.parallel, recompute="none", recompute_num_layers=None)
+    # Recomputation changes no parameter, bucket or shard, and ZeRO-2 lays out ZeRO-1's buckets and shards
+    # (it only frees the full gradients sooner): layouts that differ only there share a reading.
+    layout_fields = dataclasses.replace(cfg.parallel, recompute="none", recompute_num_layers=None,
+                                        zero_stage=1 if cfg.parallel.zero_stage == 2 else cfg.parallel.zero_stage)
     key = (repr(cfg.model), repr(layout_fields), world, pp_rank, tp_rank, dp_rank)
     if key not in _CACHE:
         _CACHE[key] = _read_layout(cfg, dims, (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank)
@@ -867,6 +871,7 @@ def inside_one_node(ranks: Sequence[int], devices_per_node: int) -> bool:
 Action = Tuple[str, int, int]  # (kind: F forward | B backward | I input gradient | W weight gradient, stage, micro-batch)
 
 
+@functools.lru_cache(maxsize=256)
 def schedule_order(schedule: str, pp: int, vpp: int, m: int) -> Dict[int, List[Action]]:
     """The actions each pipeline rank runs in one step, in its order.
 
@@ -1063,16 +1068,17 @@ def group_seconds(kinds: Dict[str, Dict[str, float]], p: int, bandwidth: float, 
     return sum(collective_seconds(k, v["bytes"], p, bandwidth, latency, int(v["calls"])) for k, v in kinds.items())
 
 
-ADAM_BYTES_PER_STATE_BYTE = 28 / 16
-"""The optimizer step streams what it holds: AdamW reads weights, gradients and both moments (16 bytes a
-parameter in fp32) and writes weights and moments (12): 28 bytes of traffic per 16 bytes of state."""
+ADAM_BYTES_PER_PARAM = 28
+"""The optimizer step streams what it updates: AdamW reads the fp32 weight, gradient and both moments of
+each parameter it owns (16 bytes) and writes the weight and moments (12)."""
 
 
-def optimizer_seconds(model_state_bytes: float, cluster) -> float:
-    """A memory-bound elementwise update: the bytes it streams over the device's memory bandwidth."""
+def optimizer_seconds(updated_params: float, cluster) -> float:
+    """A memory-bound elementwise update of the parameters this rank's optimizer owns (all it holds, or its
+    1/dp under ZeRO 1-3): the bytes it streams over the device's memory bandwidth."""
     if not cluster.memory_bandwidth:
         return 0.0
-    return model_state_bytes * ADAM_BYTES_PER_STATE_BYTE / cluster.memory_bandwidth
+    return updated_params * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth
 
 
 def estimate_requirements(cfg, world: int) -> List[str]:
@@ -1089,7 +1095,7 @@ def estimate_requirements(cfg, world: int) -> List[str]:
 
 
 def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float]]]],
-                  state_bytes: Dict[int, float]) -> Dict[str, object]:
+                  updated_params: Dict[int, float]) -> Dict[str, object]:
     """Step time, tokens/s and MFU of a layout on cfg.cluster, or {"missing": [what the profile lacks]}.
 
     The model, each term in seconds:
@@ -1103,10 +1109,12 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       bubble;
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
       launches each bucket as its gradients are complete) and shows only beyond it, at least its last
-      bucket; ZeRO-1/2's parameter all-gather after the update, the tied-embedding sum and the
-      gradient-norm scalars are exposed; ZeRO-3's gathers are prefetched and show only beyond the
+      bucket; ZeRO-1/2's parameter all-gather after the update and the tied-embedding sum are exposed,
+      and so are the gradient-norm and loss scalars, each 2 log2(world) latencies (a tree, as NCCL
+      runs small all-reduces); ZeRO-3's gathers are prefetched and show only beyond the
       rank's compute;
-    - the optimizer step streams the model state through device memory (`optimizer_seconds`).
+    - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
+      `updated_params` per pipeline rank).
     The step ends when the slowest pipeline rank has done all of it.
     """
     c, p, t = cfg.cluster, cfg.parallel, cfg.trainer
@@ -1124,10 +1132,12 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
 
     def seconds_of(group: str, pp_rank: int, kinds=None) -> float:
         r = rank_of(pp_rank)
+        if group == "other":  # gradient-norm and loss scalars: latency-bound, NCCL runs them as trees
+            calls = sum(int(v["calls"]) for v in comm[pp_rank].get("other", {}).values())
+            _, lat = link(c, list(range(dims.world_size)))
+            return calls * 2 * math.ceil(math.log2(dims.world_size)) * lat if dims.world_size > 1 else 0.0
         if group == "embedding":
             ranks = [rank_of(0), rank_of(dims.pp - 1)]
-        elif group == "other":  # gradient-norm and loss scalars over the whole layout: latency-bound
-            ranks = list(range(dims.world_size))
         else:
             ranks = group_ranks(dims, group, r)
         bw, lat = link(c, ranks)
@@ -1168,7 +1178,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
         exposed_gather = max(0.0, gather_s - compute) if p.zero_stage == 3 else gather_s
         after[r] = {"dp_reduce": exposed_reduce, "dp_gather": exposed_gather,
                     "embedding": seconds_of("embedding", r), "other": seconds_of("other", r),
-                    "optimizer": optimizer_seconds(state_bytes[r], c)}
+                    "optimizer": optimizer_seconds(updated_params[r], c)}
     tail = max(sum(v.values()) for v in after.values())
     step = sim.step_seconds + tail
     tokens = t.global_batch_size * cfg.model.seq_length
