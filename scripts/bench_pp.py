@@ -57,7 +57,8 @@ QUICK = dict(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, m=[
 def compose_cfg(args, parallel):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir
+    from megalm.config import conf_dir, register_configs
+    register_configs()  # the schemas the presets extend (the ranks register them at start-up too)
     over = [f"model={args.model}", f"model.num_layers={args.layers}", "data=mock"]  # batches are drawn here
     for key, val in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
                      ("seq_length", args.seq), ("vocab_size", args.vocab)):

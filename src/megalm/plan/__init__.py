@@ -292,7 +292,9 @@ def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     else:
         results = [r for g in groups.values() for r in _best_options(cfg, gpus, g)]
     ranked = sorted((best for _, best, _ in results if best is not None), key=lambda r: r["step_seconds"])
-    dropped = {name: why for name, best, why in results if best is None}
+    # the layouts too big for the device first: the reasons a reader most needs
+    dropped = dict(sorted(((name, why) for name, best, why in results if best is None),
+                          key=lambda item: not item[1].startswith("needs ")))
     return {"model": cfg.model.name, "cluster": cfg.cluster.name, "gpus": gpus,
             "global_batch_size": cfg.trainer.global_batch_size, "ranked": ranked[:top] if top else ranked,
             "considered": len(results), "fitting": len(ranked), "dropped": dropped}
