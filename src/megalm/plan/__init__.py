@@ -361,8 +361,9 @@ def format_table(result: Dict[str, Any]) -> str:
     lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
                  "reduce-scatter: the full input)")
     if "missing" in est:
-        lines.append(f"bubble: compute alone (FLOPs as time). No step time on cluster={result['cluster']}: it lacks "
-                     f"{', '.join(est['missing'])} (try cluster=slurm_h100)")
+        lines.append(("bubble: compute alone (FLOPs as time). " if lay["pp"] > 1 else "")
+                     + f"No step time on cluster={result['cluster']}: it lacks {', '.join(est['missing'])} "
+                     "(try cluster=slurm_h100)")
     else:
         lines.append(f"on cluster={result['cluster']}: step {_seconds(est['step_seconds'])} "
                      f"(pipeline {_seconds(est['pipeline_seconds'])}), {est['tokens_per_second']:,.0f} tokens/s, "
