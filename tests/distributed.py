@@ -34,6 +34,11 @@ def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tup
         # Pickled here, by value: the queue's own pickler would share tensor storage through
         # file descriptors, which the parent cannot fetch once this process has exited.
         queue.put((rank, "ok", pickle.dumps(out)))
+        # No rank tears its sockets down while another may still be connecting to it: gloo's
+        # full-mesh set-up can finish on one side first, and a rank whose fn is quick would
+        # otherwise close the pair under its peer ("Connection closed by peer").
+        if dist.is_initialized():
+            dist.barrier()
     except BaseException:  # report everything, including assertion failures inside fn
         queue.put((rank, "error", traceback.format_exc()))
     finally:
