@@ -149,15 +149,18 @@ def test_search_parameter_counts_equal_the_laid_out_model(layout):
 TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2"]
 
 
-def test_single_device_step_time_by_hand():
-    """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, then AdamW
-    streaming 28 bytes a parameter (fp32 weights, gradients, two moments read; three written) at 3.35 TB/s."""
+@pytest.mark.parametrize("optimizer,update_bytes", [("adamw", 28), ("sgd", 20)])
+def test_single_device_step_time_by_hand(optimizer, update_bytes):
+    """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, then the optimizer
+    streaming its bytes a parameter at 3.35 TB/s: AdamW reads the fp32 weight, gradient and two moments
+    and writes three (28); SGD with momentum reads three and writes two (20)."""
     from megalm.models import flops_per_token
-    got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16")
+    got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16",
+                f"optimizer={optimizer}")
     cfg = _compose(*TINY, "trainer.global_batch_size=8")
     params = got["positions"][0]["params"]
     tokens = 8 * cfg.model.seq_length
-    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + 28 * params / 3.35e12
+    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + update_bytes * params / 3.35e12
     assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
     assert got["estimate"]["mfu"] == pytest.approx(got["model_flops_per_step"] / (expected * 989e12), rel=1e-9)
 

@@ -1068,17 +1068,19 @@ def group_seconds(kinds: Dict[str, Dict[str, float]], p: int, bandwidth: float, 
     return sum(collective_seconds(k, v["bytes"], p, bandwidth, latency, int(v["calls"])) for k, v in kinds.items())
 
 
-ADAM_BYTES_PER_PARAM = 28
-"""The optimizer step streams what it updates: AdamW reads the fp32 weight, gradient and both moments of
-each parameter it owns (16 bytes) and writes the weight and moments (12)."""
+def optimizer_bytes_per_param(cfg) -> int:
+    """Bytes the optimizer step streams per parameter it updates: it reads the fp32 weight, gradient and
+    its k state tensors and writes the weight and the state: 12 + 8k (AdamW, k = 2: 28; SGD with
+    momentum: 20; plain SGD: 12)."""
+    return 12 + 8 * optimizer_moments(cfg)
 
 
-def optimizer_seconds(updated_params: float, cluster) -> float:
+def optimizer_seconds(updated_params: float, cfg) -> float:
     """A memory-bound elementwise update of the parameters this rank's optimizer owns (all it holds, or its
     1/dp under ZeRO 1-3): the bytes it streams over the device's memory bandwidth."""
-    if not cluster.memory_bandwidth:
+    if not cfg.cluster.memory_bandwidth:
         return 0.0
-    return updated_params * ADAM_BYTES_PER_PARAM / cluster.memory_bandwidth
+    return updated_params * optimizer_bytes_per_param(cfg) / cfg.cluster.memory_bandwidth
 
 
 def estimate_requirements(cfg, world: int) -> List[str]:
@@ -1178,7 +1180,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
         exposed_gather = max(0.0, gather_s - compute) if p.zero_stage == 3 else gather_s
         after[r] = {"dp_reduce": exposed_reduce, "dp_gather": exposed_gather,
                     "embedding": seconds_of("embedding", r), "other": seconds_of("other", r),
-                    "optimizer": optimizer_seconds(updated_params[r], c)}
+                    "optimizer": optimizer_seconds(updated_params[r], cfg)}
     tail = max(sum(v.values()) for v in after.values())
     step = sim.step_seconds + tail
     tokens = t.global_batch_size * cfg.model.seq_length
