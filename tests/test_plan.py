@@ -207,3 +207,12 @@ def test_search_ranks_fitting_layouts_and_says_why_others_drop():
 def test_a_family_without_activation_formulas_still_gets_its_parameters():
     got = _plan("model=bert_tiny", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=4")
     assert "not_modelled" in got and got["positions"][0]["params"] > 0
+
+
+@pytest.mark.parametrize("override,named", [("cluster.matmul_efficiency=1.5", "cluster.matmul_efficiency=1.5"),
+                                            ("cluster.inter_node_bandwidth=-1", "cluster.inter_node_bandwidth=-1"),
+                                            ("cluster.intra_node_latency=-0.1", "cluster.intra_node_latency=-0.1")])
+def test_bad_cluster_figures_are_named(override, named):
+    from megalm.errors import ConfigError
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        _compose(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", override)
