@@ -97,16 +97,23 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     state: Dict[int, float] = {}
     not_modelled = None
     for stage in range(dims.pp):
+        try:
+            act = f.stage_activation_bytes(cfg, world, stage)  # alike on every tp rank of the stage
+        except ConfigError as e:  # activations and collectives are modelled for GPT language models only
+            act, not_modelled = None, str(e)
         for tp_rank in sorted({0, dims.tp - 1}):
             rank = _rank_of(stage, tp_rank, dims)
-            q: Dict[str, Any] = {"stage": stage, "tp_rank": tp_rank, "example_rank": rank,
-                                 "params": rank_params(cfg, world, rank)}
+            q: Dict[str, Any] = {"stage": stage, "tp_rank": tp_rank, "example_rank": rank}
             try:
-                act = f.stage_activation_bytes(cfg, world, stage)
+                if act is None:
+                    raise ConfigError(not_modelled)
+                # the meta-device layout these read is also where the rank's parameters are counted
+                q["params"] = f.rank_layout(cfg, world, stage, tp_rank).params
                 held = f.exact_model_state_bytes(cfg, world, stage, tp_rank)
                 coll = f.step_collectives(cfg, world, stage, tp_rank)
-            except ConfigError as e:  # activations and collectives are modelled for GPT language models only
+            except ConfigError as e:
                 not_modelled = str(e)
+                q["params"] = rank_params(cfg, world, rank)
                 q.update({k: v * q["params"] for k, v in (("weights_bytes", 4), ("grads_bytes", 4))})
                 q["model_state_bytes"] = per_param * q["params"]
                 positions.append(q)

@@ -383,7 +383,7 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
         raise ConfigError(f"trainer.global_batch_size={t.global_batch_size} is not divisible by micro_batch_size("
                           f"{t.micro_batch_size}) * dp({dims.dp})")
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
-    v = 1 if dims.pp == 1 else (2 if p.pipeline_schedule == "zbv" else p.virtual_pipeline_size)
+    v = virtual_stages_per_rank(cfg, dims.pp)
     num_stages = dims.pp * v
     ranges = stage_layer_ranges(cfg.model.num_layers, num_stages, p.layers_per_stage if dims.pp > 1 else None)
     stage_ids = virtual_stages_of(pp_rank, dims.pp, v, p.pipeline_schedule) if dims.pp > 1 else [0]
@@ -1009,11 +1009,20 @@ def simulate(order: Dict[int, List[Action]], seconds: Callable[[str, int], float
     return Simulation(max(free.values()), busy)
 
 
+def virtual_stages_per_rank(cfg, pp: int) -> int:
+    """The (virtual) stages each pipeline rank runs: 2 for ZBV's V, virtual_pipeline_size for the
+    interleaved schedules, else 1 (and 1 without a pipeline)."""
+    p = cfg.parallel
+    if pp == 1:
+        return 1
+    return 2 if p.pipeline_schedule == "zbv" else (p.virtual_pipeline_size if p.pipeline_schedule in MULTI_STAGE else 1)
+
+
 def stage_layers(cfg, pp: int) -> List[int]:
     """Layers of every (virtual) stage, as the run splits them (megalm.parallel.stages)."""
-    p = cfg.parallel
-    v = 2 if p.pipeline_schedule == "zbv" else (p.virtual_pipeline_size if p.pipeline_schedule in MULTI_STAGE else 1)
-    return [len(r) for r in stage_layer_ranges(cfg.model.num_layers, pp * v, p.layers_per_stage)]
+    v = virtual_stages_per_rank(cfg, pp)
+    split = cfg.parallel.layers_per_stage if pp > 1 else None
+    return [len(r) for r in stage_layer_ranges(cfg.model.num_layers, pp * v, split)]
 
 
 def stage_owner(schedule: str, pp: int, num_stages: int) -> List[int]:
