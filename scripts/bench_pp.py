@@ -185,6 +185,25 @@ def single_step(model, opt, batch, m, clip):
     return time.perf_counter() - t0
 
 
+def device_figures(tokens: int, hidden: int, ffn: int, repeats: int = 5) -> dict:
+    """This rank's matmul FLOP/s (the MLP's first matmul of a micro-batch) and memory bandwidth (bytes
+    read + written by a 64 MiB copy), best of `repeats`, taken while every rank measures at once, so they
+    share the machine as in the pipeline: what megalm.plan's stage times read instead of a datasheet."""
+    a, b = torch.randn(tokens, hidden), torch.randn(hidden, ffn)
+    src, dst = torch.randn(16 * 2 ** 20), torch.empty(16 * 2 ** 20)
+
+    def best(fn):
+        fn()
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    return {"flops_per_s": 2 * tokens * hidden * ffn / best(lambda: a @ b),
+            "bytes_per_s": 2 * src.numel() * 4 / best(lambda: dst.copy_(src))}
+
+
 def worker(rank, world, store_path, args, queue):
     try:
         queue.put((rank, "ok", _worker(rank, world, store_path, args)))
@@ -205,6 +224,8 @@ def _worker(rank, world, store_path, args):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     layouts = {s: build_layout(args, s, world) for s in args.schedules}  # same order on every rank
     mc = next(iter(layouts.values()))["cfg"].model
+    dist.barrier()
+    device = device_figures(args.micro_batch * mc.seq_length, mc.hidden_size, mc.ffn_size)  # all ranks at once
     gen = torch.Generator().manual_seed(0)
     batches = {m: torch.randint(0, mc.vocab_size, (args.micro_batch * m, mc.seq_length + 1), generator=gen)
                for m in args.m}
@@ -251,7 +272,7 @@ def _worker(rank, world, store_path, args):
     sends = {f"{s}/{m}": [{"dir": k[0], "stage": k[1], "shape": list(k[2]), "dtype": k[3], "bytes": k[4],
                            "per_step": n / layouts[s]["pipes"][m]["steps"]}
                           for k, n in sorted(layouts[s]["pipes"][m]["sends"].items())] for s, m in cells}
-    return {"rank": rank, "res": res, "sends": sends, "single": single_times,
+    return {"rank": rank, "res": res, "sends": sends, "single": single_times, "device": device,
             "layouts": {s: {"stages": lay["stages"], "owner": lay["owner"], "params": lay["params"]}
                         for s, lay in layouts.items()},
             "shape": {"layers": mc.num_layers, "hidden": mc.hidden_size, "heads": mc.num_attention_heads,
@@ -325,15 +346,18 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
     return rows
 
 
-def planned_idle(args, schedule, m):
+def planned_idle(args, schedule, m, device=None):
     """megalm.plan's bubble for this cell (megalm.plan.formulas.compute_bubble): the schedule's order
-    simulated with each stage's FLOPs as its time, no transfer time; idle share per rank."""
+    simulated with each stage's time and no transfer time; idle share per rank. The time is the stage's
+    FLOPs, or with `device` (the ranks' measured FLOP/s and bandwidth) FLOPs / FLOP/s plus the loss's
+    memory traffic / bandwidth."""
     from megalm.plan.formulas import compute_bubble
     v = SCHEDULE_V[schedule]
     cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
                              f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",
                              f"trainer.global_batch_size={args.micro_batch * m}"])
-    return list(compute_bubble(cfg, args.pp, m).values())
+    figures = (device["flops_per_s"], device["bytes_per_s"]) if device else ()
+    return list(compute_bubble(cfg, args.pp, m, *figures).values())
 
 
 def summarize(args, ranks):
@@ -343,6 +367,7 @@ def summarize(args, ranks):
     act_shape = (args.micro_batch, shape["seq"], shape["hidden"])
     act_bytes = args.micro_batch * shape["seq"] * shape["hidden"] * 4
     med = statistics.median
+    device = {k: med(rk["device"][k] for rk in ranks) for k in ("flops_per_s", "bytes_per_s")}
     results = []
     for s in args.schedules:
         v = SCHEDULE_V[s]
@@ -369,7 +394,8 @@ def summarize(args, ranks):
                                       max(1 - b / w for b, w in zip(x["busy"], x["pipe"]))] for x in per],
                 "wait_share_range": [[min(1 - c / w for c, w in zip(x["compute"], x["pipe"])),
                                       max(1 - c / w for c, w in zip(x["compute"], x["pipe"]))] for x in per],
-                "planned_idle_share": planned_idle(args, s, m),
+                "planned_idle_share": planned_idle(args, s, m, device),
+                "planned_idle_share_flops_only": planned_idle(args, s, m),
                 "boundaries": check_boundaries(ranks, s, m, act_bytes, act_shape),
                 "stages": [rk["layouts"][s]["stages"] for rk in ranks],
                 "params": [rk["layouts"][s]["params"] for rk in ranks],
@@ -377,7 +403,8 @@ def summarize(args, ranks):
     single = {m: tokens_mb * m / med(ts) for m, ts in ranks[0]["single"].items() if ts}
     return {"args": vars(args), "shape": shape, "cores": os.cpu_count(), "torch": torch.__version__,
             "boundary_bytes_analytic": act_bytes, "activation_shape": list(act_shape),
-            "single_tokens_per_s": single, "single_params": ranks[0]["single_params"], "results": results}
+            "single_tokens_per_s": single, "single_params": ranks[0]["single_params"], "device": device,
+            "results": results}
 
 
 def pct(x):
@@ -417,13 +444,18 @@ def report(out, args):
         print(f"| {r['schedule']} | {r['m']} | {st} | " + " | ".join(f"{x:.3f}" for x in r["pipe_s"]) + " | "
               + " | ".join(f"{x:.3f}" for x in r["busy_s"]) + " | " + " | ".join(f"{x:.3f}" for x in r["compute_s"])
               + " | " + " | ".join(pct(x) for x in r["wait_share"]) + " |")
-    print("\nmegalm.plan's bubble (the schedule's order simulated with each stage's FLOPs as its time) against "
-          "the measured spread over rounds of the idle share and of the wait share")
-    print(f"| schedule | m | planned idle {ranks} | measured idle min-max {ranks} | wait share min-max {ranks} |")
-    print("|---|---|" + "---|" * (3 * p))
+    dev = out["device"]
+    print(f"\nmegalm.plan's bubble (the schedule's order simulated with each stage's time: FLOPs at the ranks' "
+          f"measured matmul rate, {dev['flops_per_s'] / 1e9:.1f} GFLOP/s, plus the loss's memory traffic at their "
+          f"measured bandwidth, {dev['bytes_per_s'] / 1e9:.1f} GB/s; and FLOPs alone) against the measured spread "
+          "over rounds of the idle share and of the wait share")
+    print(f"| schedule | m | planned idle {ranks} | FLOPs only {ranks} | measured idle min-max {ranks} | "
+          f"wait share min-max {ranks} |")
+    print("|---|---|" + "---|" * (4 * p))
     span = lambda lo_hi: f"{pct(lo_hi[0])}-{pct(lo_hi[1])}"  # noqa: E731
     for r in out["results"]:
         print(f"| {r['schedule']} | {r['m']} | " + " | ".join(pct(x) for x in r["planned_idle_share"]) + " | "
+              + " | ".join(pct(x) for x in r["planned_idle_share_flops_only"]) + " | "
               + " | ".join(span(x) for x in r["idle_share_range"]) + " | "
               + " | ".join(span(x) for x in r["wait_share_range"]) + " |")
     b = out["boundary_bytes_analytic"]

@@ -118,6 +118,106 @@ def test_zero_bubble_schedules_idle_less_and_transfers_lengthen_the_step():
         assert slow.step_seconds > sim.step_seconds
 
 
+class _LogitPasses:
+    """Bytes read and written over tensors of at least `n` elements, op by op below autograd (a
+    TorchDispatchMode): what a loss streams over its logits. Views move nothing; indexed ops (a gather of
+    one element a row, nll_loss's, a scatter into a row) touch a few elements a row, not the row;
+    nll_loss's backward writes a zero gradient shaped like its input without reading it."""
+    INDEXED = {"nll_loss_forward", "gather", "scatter", "scatter_add_", "scatter_add", "nll_loss2d_forward"}
+    WRITE_ONLY = {"nll_loss_backward", "nll_loss2d_backward", "zeros_like", "empty_like", "new_zeros"}
+
+    def __init__(self, n):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.record(func, args, kwargs or {}, out)
+                return out
+        self.n, self.mode, self.bytes = n, Mode(), 0
+
+    def record(self, func, args, kwargs, out):
+        import torch
+        from torch.utils._pytree import tree_leaves
+        name = func.overloadpacket.__name__
+        if name in self.INDEXED or any(r.alias_info is not None and not r.alias_info.is_write
+                                       for r in func._schema.returns):
+            return
+        big = lambda xs: [x for x in tree_leaves(xs) if isinstance(x, torch.Tensor) and x.numel() >= self.n]  # noqa: E731
+        reads = [] if name in self.WRITE_ONLY else big((args, kwargs))
+        self.bytes += sum(x.numel() * x.element_size() for x in reads + big(out))
+
+
+def _loss_passes(logits, loss_fn):
+    """(forward, backward) bytes the loss streams over `logits` (a leaf that requires grad)."""
+    import torch
+    passes = _LogitPasses(logits.numel())
+    with passes.mode:
+        loss = loss_fn(logits)
+    forward, passes.bytes = passes.bytes, 0
+    with passes.mode:
+        torch.autograd.grad(loss, logits)
+    return forward, passes.bytes
+
+
+@pytest.mark.parametrize("overrides", [[], ["model.vocab_size=250"], ["trainer.precision=bf16"],
+                                       ["model.vocab_size=250", "trainer.precision=bf16"]])
+def test_loss_traffic_counts_the_passes_the_loss_makes(overrides):
+    """`loss_traffic_bytes` (no tp) equals the bytes megalm's LMLoss reads and writes over the logits, counted
+    op by op as they run (padded vocabularies and bf16 logits included)."""
+    import torch
+    from megalm.models.losses import LMLoss
+    from megalm.plan.formulas import loss_traffic_bytes
+    cfg = _compose(*TINY, "trainer.global_batch_size=8", *overrides)
+    mc = cfg.model
+    dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, mc.seq_length, mc.padded_vocab_size, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, mc.vocab_size, (2, mc.seq_length), generator=gen)
+    assert _loss_passes(logits, lambda x: LMLoss(mc.vocab_size)(x, labels)) == loss_traffic_bytes(cfg, 1)
+
+
+def _vocab_parallel_passes(rank, world, overrides):
+    import torch
+    from megalm.parallel.tensor import vocab_parallel_cross_entropy
+    from megalm.plan.formulas import loss_traffic_bytes
+    import torch.distributed as dist
+    cfg = _compose(*TINY, "trainer.global_batch_size=8", f"parallel.tp={world}", *overrides)
+    mc = cfg.model
+    cols = mc.padded_vocab(world) // world
+    gen = torch.Generator().manual_seed(rank)
+    dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
+    logits = torch.randn(2, mc.seq_length, cols, generator=gen).to(dtype).requires_grad_()
+    labels = torch.randint(0, mc.vocab_size, (2, mc.seq_length), generator=torch.Generator().manual_seed(0))
+    got = _loss_passes(logits, lambda x: vocab_parallel_cross_entropy(
+        x, labels, dist.group.WORLD, vocab_start=rank * cols, vocab_size=mc.vocab_size).mean())
+    return got, loss_traffic_bytes(cfg, world)
+
+
+def test_loss_traffic_counts_the_vocab_parallel_passes():
+    """At tp 2 the vocabulary-parallel loss's passes over each rank's shard equal `loss_traffic_bytes`."""
+    for overrides in ([], ["trainer.precision=bf16"]):
+        for got, expected in run_ranks(2, _vocab_parallel_passes, overrides):
+            assert got == expected, overrides
+
+
+def test_the_loss_traffic_lengthens_the_last_stage_by_bytes_over_bandwidth():
+    """GPipe at pp 2 with one micro-batch runs F0, F1, B1, B0 back to back: rank 0 idles F1 + B1. With a
+    matmul rate and a bandwidth, each of the last stage's passes adds its traffic / bandwidth, by hand."""
+    from megalm.plan.formulas import compute_bubble, loss_traffic_bytes, stage_work
+    cfg = _compose(*TINY, "trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe")
+    first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
+    rate, bandwidth = 1e9, 1e8
+    fwd, bwd = loss_traffic_bytes(cfg, 1)
+    f1, b1 = last.forward / rate + fwd / bandwidth, last.backward / rate + bwd / bandwidth
+    step = (first.forward + first.backward) / rate + f1 + b1
+    assert compute_bubble(cfg, 2, 1, rate, bandwidth)[0] == pytest.approx((f1 + b1) / step, rel=1e-12)
+    flops_only = (last.forward + last.backward) / (first.forward + first.backward + last.forward + last.backward)
+    assert compute_bubble(cfg, 2, 1)[0] == pytest.approx(flops_only, rel=1e-12)
+
+
 def test_collective_times_follow_the_ring_factors():
     """Ring collectives over p ranks put 2(p-1)/p (all-reduce) or (p-1)/p (reduce-scatter of the full input,
     all-gather of the full output) of the buffer on each link (nccl-tests' bus bandwidth factors)."""
@@ -151,16 +251,21 @@ TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2"]
 
 @pytest.mark.parametrize("optimizer,update_bytes", [("adamw", 28), ("sgd", 20)])
 def test_single_device_step_time_by_hand(optimizer, update_bytes):
-    """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, then the optimizer
-    streaming its bytes a parameter at 3.35 TB/s: AdamW reads the fp32 weight, gradient and two moments
-    and writes three (28); SGD with momentum reads three and writes two (20)."""
+    """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, the loss's passes
+    over the logits at 3.35 TB/s, then the optimizer streaming its bytes a parameter at 3.35 TB/s: AdamW
+    reads the fp32 weight, gradient and two moments and writes three (28); SGD with momentum reads three
+    and writes two (20). The loss, per logit (vocabulary 256, unpadded): forward the cast to fp32 (2 + 4
+    bytes) and log_softmax (4 + 4), backward nll_loss's zero gradient (4), log_softmax's backward (4 + 4
+    + 4) and the cast back (4 + 2): 36 bytes."""
     from megalm.models import flops_per_token
     got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16",
                 f"optimizer={optimizer}")
     cfg = _compose(*TINY, "trainer.global_batch_size=8")
     params = got["positions"][0]["params"]
     tokens = 8 * cfg.model.seq_length
-    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + update_bytes * params / 3.35e12
+    assert cfg.model.padded_vocab_size == cfg.model.vocab_size == 256
+    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + tokens * 256 * 36 / 3.35e12 \
+        + update_bytes * params / 3.35e12
     assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
     assert got["estimate"]["mfu"] == pytest.approx(got["model_flops_per_step"] / (expected * 989e12), rel=1e-9)
 

@@ -91,6 +91,40 @@ def stage_work(cfg, layers: int, last: bool, tp: int) -> StageWork:
     return StageWork(fwd * scale, inputs * scale, weight * scale)
 
 
+def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
+    """Device-memory bytes the language-model loss streams for one micro-batch on one rank, forward and
+    backward: the passes its elementwise kernels make over the (B, T, V / tp) logits, beyond the head's
+    matmul. The softmax over the vocabulary is memory-bound work its FLOPs do not show (a few operations
+    an element against hundreds for the matmul that made it); on a small hidden size it is a visible part
+    of the last stage.
+
+    Passes, each one read or write of the logits' elements in fp32 (4 bytes), counted from megalm's code:
+    - LMLoss (no tp): log_softmax reads the logits and writes its output (its per-row max and sum stay in
+      cache); backward, nll_loss writes a zero gradient, and log_softmax's backward reads it and the saved
+      output and writes the logits' gradient: 2 + 4. A padded vocabulary adds masked_fill's read and write,
+      forward and backward (+ 2 + 2); autocast adds the cast to fp32 and back (a 2-byte read and a 4-byte
+      write forward, the reverse backward).
+    - the vocabulary-parallel loss (tp > 1, megalm.parallel.tensor): masked_fill (2), the max (1), the
+      shift (2), exp (2), the sum (1) and the in-place division to the softmax (2) forward; the in-place
+      scaling of the saved softmax backward (2), plus its cast for a half-precision model.
+    A fine-tuning head has no vocabulary: 0."""
+    m = cfg.model
+    if getattr(m, "fine_tuning_head", False):
+        return 0.0, 0.0
+    elements = cfg.trainer.micro_batch_size * max(1, getattr(m, "num_choices", 0)) * m.seq_length \
+        * m.padded_vocab(tp) / tp
+    if tp > 1:
+        fwd, bwd = 10, 2
+    else:
+        padded = 2 if m.padded_vocab(tp) > m.vocab_size else 0
+        fwd, bwd = 2 + padded, 4 + padded
+    fwd_bytes, bwd_bytes = fwd * FP32 * elements, bwd * FP32 * elements
+    if cfg.trainer.precision != "fp32":  # the logits' cast to fp32 and the gradient's back: 2 + 4 bytes each way
+        fwd_bytes += 6 * elements
+        bwd_bytes += 6 * elements
+    return fwd_bytes, bwd_bytes
+
+
 # ---------------------------------------------------------------------------------------------
 # Activation memory
 # ---------------------------------------------------------------------------------------------
@@ -1031,17 +1065,32 @@ def stage_owner(schedule: str, pp: int, num_stages: int) -> List[int]:
     return [next(r for r in range(pp) if s in virtual_stages_of(r, pp, v, schedule)) for s in range(num_stages)]
 
 
-def compute_bubble(cfg, pp: int, m: int) -> Dict[int, float]:
+def action_seconds(work: StageWork, kind: str, rate: float, traffic: Tuple[float, float] = (0.0, 0.0),
+                   bandwidth: Optional[float] = None) -> float:
+    """Seconds of one pipeline action (F, B, or zero-bubble's I / W) of a stage: its FLOPs at `rate`, plus,
+    with a memory `bandwidth`, the loss's memory traffic (`loss_traffic_bytes`, forward with F, backward
+    with B and I: the logits' gradient comes before the head's input gradient)."""
+    flops = {"F": work.forward, "B": work.backward, "I": work.input_grad, "W": work.weight_grad}[kind]
+    moved = {"F": traffic[0], "B": traffic[1], "I": traffic[1], "W": 0.0}[kind] if bandwidth else 0.0
+    return flops / rate + (moved / bandwidth if moved else 0.0)
+
+
+def compute_bubble(cfg, pp: int, m: int, flops_per_second: Optional[float] = None,
+                   bytes_per_second: Optional[float] = None) -> Dict[int, float]:
     """Each pipeline rank's idle share of the step with compute alone: the schedule's order simulated with
-    each stage's FLOPs (`stage_work`) as its time and nothing for transfers, so unequal stages (the head
-    on the last) count and no cluster figures are needed."""
+    each stage's time and nothing for transfers, so unequal stages (the head on the last) count. With no
+    figures a stage's time is its FLOPs (`stage_work`); given a device's matmul FLOP/s and memory
+    bandwidth (bytes/s), the loss's memory traffic (`loss_traffic_bytes`) is added on the last stage."""
     layers = stage_layers(cfg, pp)
-    owner = stage_owner(cfg.parallel.pipeline_schedule, pp, len(layers))
-    work = [stage_work(cfg, n, s == len(layers) - 1, 1) for s, n in enumerate(layers)]
-    flops = {"F": lambda w: w.forward, "B": lambda w: w.backward, "I": lambda w: w.input_grad,
-             "W": lambda w: w.weight_grad}
-    sim = simulate(schedule_order(cfg.parallel.pipeline_schedule, pp, len(layers) // pp, m),
-                   lambda kind, s: flops[kind](work[s]), lambda a, b: 0.0, lambda s: owner[s], len(layers))
+    S = len(layers)
+    owner = stage_owner(cfg.parallel.pipeline_schedule, pp, S)
+    work = [stage_work(cfg, n, s == S - 1, 1) for s, n in enumerate(layers)]
+    rate = flops_per_second or 1.0
+    traffic = loss_traffic_bytes(cfg, 1) if flops_per_second and bytes_per_second else (0.0, 0.0)
+    sim = simulate(schedule_order(cfg.parallel.pipeline_schedule, pp, S // pp, m),
+                   lambda kind, s: action_seconds(work[s], kind, rate, traffic if s == S - 1 else (0.0, 0.0),
+                                                  bytes_per_second if flops_per_second else None),
+                   lambda a, b: 0.0, lambda s: owner[s], S)
     return {r: sim.idle_share(r) for r in range(pp)}
 
 
@@ -1113,7 +1162,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - every pipeline action (forward, backward, or zero-bubble's input / weight halves) computes its
       FLOPs (`stage_work`) at cluster.matmul_efficiency x the peak of trainer.precision, plus its share
       (by FLOPs) of the rank's tensor-parallel collectives, which wait on the compute (Megatron's layers
-      issue them between dependent matmuls, nothing to overlap them with);
+      issue them between dependent matmuls, nothing to overlap them with); the last stage adds the
+      loss's memory traffic over cluster.memory_bandwidth (`loss_traffic_bytes`);
     - activations cross pipeline ranks as point-to-point sends (their size from `comm`), over NVLink or
       the network by where the two ranks sit;
     - `simulate` runs the schedule's order with these times: the step's pipeline part and each rank's
@@ -1159,10 +1209,13 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
                      for r in range(dims.pp)}
     tp_share = {r: seconds_of("tp", r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
 
-    def action_seconds(kind: str, s: int) -> float:
+    traffic = loss_traffic_bytes(cfg, dims.tp)
+
+    def seconds(kind: str, s: int) -> float:
         w = work[s]
         flops = {"F": w.forward, "B": w.backward, "I": w.input_grad, "W": w.weight_grad}[kind]
-        return flops / rate + flops * tp_share[owner[s]]
+        loss = traffic if s == S - 1 else (0.0, 0.0)
+        return action_seconds(w, kind, rate, loss, c.memory_bandwidth) + flops * tp_share[owner[s]]
 
     def transfer(a: int, b: int) -> float:
         send = comm[owner[a]].get("pp", {}).get("send")
@@ -1174,7 +1227,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
 
     order = schedule_order(p.pipeline_schedule, dims.pp, S // dims.pp, m) if dims.pp > 1 else \
         {0: [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]}
-    sim = simulate(order, action_seconds, transfer, lambda s: owner[s], S)
+    sim = simulate(order, seconds, transfer, lambda s: owner[s], S)
     after = {}
     for r in range(dims.pp):
         dp = comm[r].get("dp", {})
