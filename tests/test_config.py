@@ -144,6 +144,9 @@ BAD = [
      "world size 3 is not divisible by tp(2) * pp(1) * cp(1) = 2, so dp=-1 has no whole value"),
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=true needs parallel.tp > 1"),
     (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0 is above optimizer.lr=0.001"),
+    (["model.loss_chunk_tokens=0"], 1, "model.loss_chunk_tokens=0 must be at least 1"),
+    (["model.fused_loss=true", "model.num_labels=2"], 1,
+     "model.fused_loss=true fuses the language-model head with its cross-entropy, but model.num_labels=2"),
 ]
 
 

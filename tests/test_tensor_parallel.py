@@ -190,6 +190,43 @@ def _ce_checks(rank, world, g, out):
         out[f"ce_{eps}_finite"] = bool(torch.isfinite(loss).all() and torch.isfinite(local.grad).all())
 
 
+def _fused_ce_checks(rank, world, g, out):
+    """The fused head + loss (model.fused_loss) through the real head and loss modules, against the single
+    process's unfused LMLoss: value, input and weight gradients, with and without sequence parallelism;
+    and the same collectives as the unfused vocabulary-parallel loss."""
+    from functools import partial
+    from megalm.models.losses import IGNORE, LMLoss
+    from megalm.parallel.tp_plan import VocabParallelLMLoss
+    per = PADDED // world
+    edges = [k * per + d for k in range(world + 1) for d in (-1, 0) if 0 <= k * per + d < VOCAB]
+    labels = torch.randint(0, VOCAB, (B * T,), generator=_gen(60))
+    labels[:len(edges)] = torch.tensor(edges)
+    labels[-2:] = IGNORE
+    labels = labels.view(B, T)
+    mask = (torch.rand(B, T, generator=_gen(61)) > 0.2).float()
+    w, x = _randn(PADDED, H, seed=62), _randn(B, T, H, seed=63)
+    for eps in (0.0, 0.1):
+        ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+        logits = F.linear(ref_x, ref_w)  # real columns only for smoothing: LMLoss's -inf padding would give inf
+        ref = LMLoss(VOCAB)(logits, labels, mask) if eps == 0 else LMLoss(VOCAB, eps)(logits[..., :VOCAB], labels, mask)
+        ref.backward()
+        crit = VocabParallelLMLoss(g, rank * per, VOCAB, eps)
+        for sp in (False, True):
+            tag = f"fused_{eps}_{'sp' if sp else 'f'}"
+            head = _sharded(ColumnParallelLinear(H, PADDED, bias=False, group=g, sequence_parallel=sp, device="meta"),
+                            weight=w)
+            x_in = (_seq(x, rank, world) if sp else x).clone().requires_grad_()
+            with count_comm() as fused:
+                loss = head(x_in, fuse=partial(crit.from_hidden, labels=labels, loss_mask=mask, chunk_tokens=5))
+            loss.backward()
+            out[f"{tag}_loss"] = _diff(loss, ref)
+            out[f"{tag}_dx"] = _diff(x_in.grad, _seq(ref_x.grad, rank, world) if sp else ref_x.grad)
+            out[f"{tag}_dw"] = _diff(_full_grad(head.weight, world), ref_w.grad)
+            with count_comm() as unfused:
+                crit(head(x_in), labels, mask)
+            out[f"{tag}_comm"] = fused.events == unfused.events and len(fused.events) >= 2
+
+
 def _rng_checks(rank, world, out):
     rng = TPRNG(1234, rank, "cpu")
     outer = torch.get_rng_state()
@@ -248,6 +285,7 @@ def _all_checks(rank, world):
     _mlp(rank, world, g, True, out, "mlp_sp")
     _embedding_checks(rank, world, g, out)
     _ce_checks(rank, world, g, out)
+    _fused_ce_checks(rank, world, g, out)
     _rng_checks(rank, world, out)
     _identity_checks(rank, world, out)
     _error_and_fallback_checks(rank, world, g, out)
@@ -277,6 +315,7 @@ def test_tensor_parallel_matches_serial(world):
         per = PADDED // world
         assert out["emb_range"] == (rank * per, (rank + 1) * per, (per, H))
         assert out["ce_0.0_finite"] and out["ce_0.1_finite"]
+        assert all(out[f"fused_{eps}_{sp}_comm"] for eps in (0.0, 0.1) for sp in ("f", "sp"))
         assert out["rng_outer_restored"] and out["rng_shared_equal"] and out["rng_tp_distinct"]
         assert out["rng_stream_advances"]
         assert out["solo_exact"] and out["solo_no_comm"] and out["solo_same_object"]

@@ -186,6 +186,11 @@ class TrainerConfig:
     """torch intra-op threads per rank on CPU; 0 = cores / local ranks."""
     progress_bar: bool = True
     """Show a progress bar on rank 0 (a plain log line per log_interval otherwise)."""
+    time_breakdown: bool = True
+    """Log where each step's time goes (data, forward, backward, optimizer, collectives, pipeline idle) as time_*_s
+    at log_interval; under 1% of a CPU step (docs/PERFORMANCE.md); on CUDA it synchronizes the device at each phase."""
+    profile_steps: List[int] = field(default_factory=list)
+    """Steps (1 = the first) to run under torch.profiler, each rank writing <run dir>/profiles/step_N_rankR.pt.trace.json."""
 
 
 @dataclass

@@ -89,6 +89,8 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in ("model.dropout", "model.attention_dropout"):
         if not 0.0 <= _get(cfg, key) < 1.0:
             raise ConfigError(f"{key}={_get(cfg, key)} must be in [0, 1)")
+    if hasattr(m, "fused_loss"):
+        _validate_fused_loss(m)
 
     if m.hidden_size % m.num_attention_heads:
         raise ConfigError(
@@ -192,7 +194,21 @@ def validate(cfg: Config, world_size: int) -> None:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1]: a share of the peak")
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
+    _validate_profile_steps(t)
     split_weights(cfg.data.split)
+
+
+def _validate_profile_steps(t) -> None:
+    """Steps to profile are training steps: whole numbers from 1 (the first) to max_steps (with
+    trainer.epochs, max_steps is known only once the data is read, so the upper end is not checked)."""
+    top = f"trainer.max_steps={t.max_steps}" if t.epochs is None else "the last step"
+    for step in t.profile_steps:
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise ConfigError(f"trainer.profile_steps={list(t.profile_steps)}: {step!r} is not a step number; "
+                              f"list whole numbers from 1 (the first step) to {top}")
+        if step < 1 or (t.epochs is None and step > t.max_steps):
+            raise ConfigError(f"trainer.profile_steps={list(t.profile_steps)}: step {step} is never run; "
+                              f"list steps from 1 (the first step) to {top}")
 
 
 def _validate_epochs(cfg: Config) -> None:
@@ -280,6 +296,17 @@ def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_
     if micro and schedule in MULTI_STAGE and micro % p.pp:
         raise ConfigError(f"parallel.pipeline_schedule={schedule} needs the micro-batches per step ({micro}) "
                           f"to be a multiple of parallel.pp={p.pp}")
+
+
+def _validate_fused_loss(m: ModelConfig) -> None:
+    """model.fused_loss / loss_chunk_tokens (a family whose schema has them: GPT)."""
+    if m.loss_chunk_tokens < 1:
+        raise ConfigError(f"model.loss_chunk_tokens={m.loss_chunk_tokens} must be at least 1 (tokens per chunk of the "
+                          "fused loss; its logits, chunk x vocabulary / tp in fp32, are the most it holds)")
+    head = [f"model.{k}={getattr(m, k)}" for k in ("num_labels", "num_choices") if getattr(m, k, 0)]
+    if m.fused_loss and head:
+        raise ConfigError(f"model.fused_loss=true fuses the language-model head with its cross-entropy, but "
+                          f"{' and '.join(head)} replaces that head with a score head; set model.fused_loss=false")
 
 
 def parallel_dims(p: ParallelConfig, world_size: int):

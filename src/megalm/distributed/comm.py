@@ -16,7 +16,8 @@ sharded by sequence. The conjugate pairs here:
     scatter_seq        split         | all-gather
 
 A group of size 1, or None, makes every one of them the identity (the input object returned),
-so tp=1 runs the serial code exactly. `count_comm()` records what goes over the wire.
+so tp=1 runs the serial code exactly. `count_comm()` records what goes over the wire;
+`time_comm(clock)` times it for the step-time breakdown (megalm.training.step_time).
 """
 
 from __future__ import annotations
@@ -93,24 +94,109 @@ def record_p2p(kind: str, tensor: Tensor) -> None:
         stats.record(kind, _nbytes(tensor))
 
 
+class CommClock:
+    """Wall time of this process's collectives while `time_comm(clock)` is open (one training step).
+
+    `blocked`: seconds the calling thread spent inside collective calls and waiting on the handles
+    of asynchronous ones (communication not overlapped with compute). `spans`: each collective's
+    [start, end] in flight: a synchronous call's own interval; an asynchronous one from its launch
+    until it completed (gloo: its future's callback; otherwise when its wait returned; None while
+    unknown). On CUDA both are host times (NCCL returns at once): the breakdown leaves them out there.
+    """
+
+    def __init__(self):
+        self.blocked = 0.0
+        self.spans: List[List[Optional[float]]] = []
+
+    def reset(self) -> None:
+        self.blocked, self.spans = 0.0, []
+
+    def in_flight(self, start: float, stop: float) -> float:
+        """Seconds in [start, stop] during which at least one collective was in flight (spans
+        that overlap, such as two gradient buckets on the wire at once, count once)."""
+        total, reach = 0.0, start
+        for lo, hi in sorted((max(lo, start), min(stop if hi is None else hi, stop)) for lo, hi in self.spans):
+            if hi > reach and hi > lo:
+                total += hi - max(lo, reach)
+                reach = hi
+        return total
+
+
+_CLOCK: Optional[CommClock] = None  # per process, so autograd's worker threads see it too
+
+
 @contextlib.contextmanager
-def _record(kind: str, nbytes: int, fallback: Optional[CommStats] = None):
+def time_comm(clock: CommClock) -> Iterator[CommClock]:
+    """with time_comm(clock): ... — add the wall time of every collective of this module to clock."""
+    global _CLOCK
+    previous, _CLOCK = _CLOCK, clock
+    try:
+        yield clock
+    finally:
+        _CLOCK = previous
+
+
+def _ended(span: List[Optional[float]]) -> None:
+    if span[1] is None:
+        span[1] = time.perf_counter()
+
+
+class _TimedWork:
+    """An asynchronous collective's handle whose wait() counts as blocked time on its CommClock."""
+
+    def __init__(self, work, span: List[Optional[float]], clock: CommClock):
+        self.work, self.span, self.clock = work, span, clock
+        try:  # gloo completes the future on its own thread: the true end of the transfer
+            work.get_future().add_done_callback(lambda _future: _ended(span))
+        except (AttributeError, RuntimeError):
+            pass  # no future on this backend: the span ends when the wait returns
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return self.work.wait(*args, **kwargs)
+        finally:
+            self.clock.blocked += time.perf_counter() - t0
+            _ended(self.span)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextlib.contextmanager
+def _record(kind: str, nbytes: int, fallback: Optional[CommStats] = None, async_op: bool = False):
     """Count the collective issued inside the block, and the time it takes (on CUDA the time
-    is only the launch, since NCCL is asynchronous: use a profiler there)."""
+    is only the launch, since NCCL is asynchronous: use a profiler there). Yields the span an
+    open `time_comm` clock got for it (None when none is open)."""
     # Backward may run on an autograd worker thread (CUDA graphs) that does not see the caller's
     # contextvars; then the block that was open at forward time, if still open, gets the record.
     stats = _STATS.get()
     if stats is None and fallback is not None and fallback.active:
         stats = fallback
-    if stats is None:
-        yield
+    clock = _CLOCK
+    if stats is None and clock is None:
+        yield None
         return
-    stats.record(kind, nbytes)
+    if stats is not None:
+        stats.record(kind, nbytes)
     t0 = time.perf_counter()
+    span = [t0, None] if clock is not None else None
     try:
-        yield
+        yield span
     finally:
-        stats.seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if stats is not None:
+            stats.seconds += t1 - t0
+        if clock is not None:
+            clock.blocked += t1 - t0
+            if not async_op:
+                span[1] = t1
+            clock.spans.append(span)
+
+
+def _handle(work, span, async_op: bool):
+    """An asynchronous collective's handle, timed when a `time_comm` clock is open."""
+    return _TimedWork(work, span, _CLOCK) if async_op and span is not None and _CLOCK is not None else work
 
 
 def _nbytes(x: Tensor) -> int:
@@ -203,24 +289,28 @@ def all_reduce_sum(x: Tensor, group) -> Tensor:
 
 
 # Flat-buffer collectives of data parallelism (gradient buckets, ZeRO shards). With async_op the
-# work handle is returned; its time is then not inside `seconds` (the caller waits for it).
+# work handle is returned; its time is then not inside `seconds` (the caller waits for it), and
+# under `time_comm` the handle's wait() counts as blocked time.
 
 def bucket_all_reduce(x: Tensor, group, async_op: bool = False):
     """Sum x over the group in place."""
-    with _record("all_reduce", _nbytes(x)):
-        return dist.all_reduce(x, group=group, async_op=async_op)
+    with _record("all_reduce", _nbytes(x), async_op=async_op) as span:
+        work = dist.all_reduce(x, group=group, async_op=async_op)
+    return _handle(work, span, async_op)
 
 
 def bucket_reduce_scatter(out: Tensor, x: Tensor, group, async_op: bool = False):
     """Sum the flat x over the group; this rank keeps chunk `rank` of it in out (x.numel() / world)."""
-    with _record("reduce_scatter", _nbytes(x)):
-        return _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with _record("reduce_scatter", _nbytes(x), async_op=async_op) as span:
+        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return _handle(work, span, async_op)
 
 
 def bucket_all_gather(out: Tensor, x: Tensor, group, async_op: bool = False):
     """Concatenate every rank's flat x into out, in rank order."""
-    with _record("all_gather", _nbytes(x)):
-        return _all_gather_single(out, x, group=group, async_op=async_op)
+    with _record("all_gather", _nbytes(x), async_op=async_op) as span:
+        work = _all_gather_single(out, x, group=group, async_op=async_op)
+    return _handle(work, span, async_op)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+import functools
+
 import torch
 from torch import nn
 
@@ -17,6 +19,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.flops import flops_per_token as transformer_flops
+from megalm.models.fused_loss import LMHead
 from megalm.models.losses import LMLoss, classification_loss, fold_choices
 from megalm.models.init import init_by_name
 from megalm.models.layers import Block, Embedding, KVCache, build_norm, rope_tables
@@ -42,6 +45,11 @@ class GPTConfig(ModelConfig):
     num_choices: int = 0
     """0: not multiple choice; N >= 2: each example is N (context, choice) sequences, one score each at its
     last token, softmax over the N (fine-tuning)."""
+    fused_loss: bool = False
+    """Training computes the head and cross-entropy together, loss_chunk_tokens tokens at a time, never holding the
+    whole logits (megalm.models.fused_loss); the same loss and gradients. Off by default: docs/PERFORMANCE.md."""
+    loss_chunk_tokens: int = 1024
+    """Tokens per chunk of the fused loss: its logits, (chunk, vocabulary / tp) in fp32, are the most it holds."""
 
     @property
     def fine_tuning_head(self) -> bool:
@@ -60,7 +68,7 @@ class GPT(nn.Module):
         self.embed: Optional[Embedding] = Embedding(cfg, V)
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm: Optional[nn.Module] = build_norm(cfg)
-        self.head: Optional[nn.Linear] = nn.Linear(h, V, bias=False)
+        self.head: Optional[nn.Linear] = LMHead(h, V, bias=False)
         self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
         self.score: Optional[nn.Linear] = None
         self.metric_names: Tuple[str, ...] = ()
@@ -71,6 +79,9 @@ class GPT(nn.Module):
             self.head = self.criterion = None
             self.score = nn.Linear(h, cfg.num_labels or 1, bias=False)
             self.metric_names, self.new_heads = (() if cfg.num_labels == 1 else ("acc",)), ("score",)
+        self.fused_loss = bool(getattr(cfg, "fused_loss", False)) and self.head is not None
+        """model.fused_loss: in training the last stage returns the final-normed hidden states and `loss`
+        runs the head fused with the cross-entropy; in eval mode the forward still returns logits."""
         self.tie_weights()
         self._rope: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -105,6 +116,9 @@ class GPT(nn.Module):
         With `part` (a pipeline stage) only its layers run: a stage after the first takes the
         hidden states (B, T, h) in place of tokens (and `packed` after them), and one before the
         last returns them (with `packed`).
+        With model.fused_loss, in training mode and without labels the last stage returns the
+        final-normed hidden states (B, T, h) (a sequence shard under SP), which `loss` turns into
+        the loss without making the logits whole; in eval mode (generation, evaluation) logits.
         """
         if packed and len(packed) != 2:
             raise TypeError(f"GPT.forward got {len(packed) + 1} positional inputs: after tokens it takes "
@@ -123,16 +137,29 @@ class GPT(nn.Module):
             return (x, *packed) if packed else x
         if self.score is not None:
             return self.score(self.norm(x))
-        logits = self.head(self.norm(x))  # (B, T, V), or this rank's vocabulary shard under TP
-        if labels is None:
-            return logits
-        return self.criterion(logits, labels, loss_mask)
+        x = self.norm(x)
+        if labels is not None:
+            return self._lm_loss(x if self.fused_loss else self.head(x), labels, loss_mask, hidden=self.fused_loss)
+        if self.fused_loss and self.training:
+            return x  # `loss` applies the head
+        return self.head(x)  # (B, T, V), or this rank's vocabulary shard under TP
 
-    def loss(self, logits: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-        """The training loss of the last stage's output on a batch (megalm.data.gpt_batch's keys)."""
+    def loss(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The training loss of the last stage's output (logits; with model.fused_loss in training, the
+        final-normed hidden states) on a batch (megalm.data.gpt_batch's keys)."""
         if self.score is not None:
-            return self.loss_and_metrics(logits, batch)[0]
-        return self.criterion(logits, batch["labels"], batch.get("loss_mask"))
+            return self.loss_and_metrics(output, batch)[0]
+        return self._lm_loss(output, batch["labels"], batch.get("loss_mask"), hidden=self.fused_loss and self.training)
+
+    def _lm_loss(self, output: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor],
+                 hidden: bool) -> torch.Tensor:
+        """The criterion on logits, or (hidden) on the head's input through the head's own call, so that
+        hooks on the head (ZeRO-3's gather) fire around the fused matmuls."""
+        if not hidden:
+            return self.criterion(output, labels, loss_mask)
+        fuse = functools.partial(self.criterion.from_hidden, labels=labels, loss_mask=loss_mask,
+                                 chunk_tokens=self.cfg.loss_chunk_tokens)
+        return self.head(output, fuse=fuse)
 
     def loss_and_metrics(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]):
         """A fine-tuning head's loss (cross-entropy, or MSE for a regression) and accuracy."""

@@ -35,6 +35,15 @@ class LMLoss(nn.Module):
     def forward(self, logits, labels, loss_mask=None) -> torch.Tensor:
         return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
 
+    def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    loss_mask: Optional[torch.Tensor] = None, *, chunk_tokens: int) -> torch.Tensor:
+        """The same loss from the head's input (B, T, h) and weight (V, h), the logits made `chunk_tokens`
+        tokens at a time and never whole (megalm.models.fused_loss)."""
+        from megalm.models.fused_loss import linear_cross_entropy
+        losses = linear_cross_entropy(hidden, weight, labels, vocab_size=self.vocab_size, chunk_tokens=chunk_tokens,
+                                      label_smoothing=self.label_smoothing)
+        return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
+
     @torch.no_grad()
     def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Whether each label's logit is the largest of the real vocabulary's (a tie counts), as a

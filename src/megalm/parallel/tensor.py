@@ -15,7 +15,7 @@ its global name and keeps `param.tp_shard.local(full)`. Replicated parameters ha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -149,11 +149,18 @@ class ColumnParallelLinear(_ShardedModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, fuse: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> Tensor:
+        """`fuse(x, weight)`, when given, replaces the matmul (and any output gather): a consumer that
+        fuses the product into itself (the chunked loss, megalm.models.fused_loss) gets the input after
+        this layer's collective and this rank's weight shard, through the module's call (hooks fire)."""
         if self.sequence_parallel:
             x = gather_seq(x, self.group, dim=1)  # (B, T/tp, in) → (B, T, in)
         else:
             x = copy_to_tp(x, self.group)  # (B, T, in), replicated
+        if fuse is not None:
+            if self.bias is not None:
+                raise ValueError("a fused head + loss takes a head without a bias")
+            return fuse(x, self.weight)
         y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
         if not self.gather_output:
             return y

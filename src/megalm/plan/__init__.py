@@ -156,13 +156,24 @@ def plan(cfg, world: int) -> Dict[str, Any]:
 # Search
 # ---------------------------------------------------------------------------------------------
 
-SCHEDULES = (("1f1b", 1), ("interleaved_1f1b", 2), ("zbv", 2))
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zbv")
+MAX_VIRTUAL_STAGES = 8  # interleaving deeper than this gains little bubble for its extra sends
 RECOMPUTE = ("none", "selective", "full")
 ZERO = (0, 1, 2, 3)
 
 
 def _powers_of_two(limit: int) -> List[int]:
     return [2 ** k for k in range(limit.bit_length()) if 2 ** k <= limit]
+
+
+def _virtual_stages(schedule: str, pp: int, layers: int) -> List[int]:
+    """The stages per rank a schedule is tried with: 1 for 1F1B, 2 for ZBV's V, and for the interleaved
+    schedule every v from 2 to MAX_VIRTUAL_STAGES that splits the layers evenly over pp x v stages."""
+    if schedule == "1f1b":
+        return [1]
+    if schedule == "zbv":
+        return [2]
+    return [v for v in range(2, MAX_VIRTUAL_STAGES + 1) if layers % (pp * v) == 0]
 
 
 def candidates(cfg, gpus: int, micro_batches=(1, 2, 4, 8)):
@@ -172,9 +183,10 @@ def candidates(cfg, gpus: int, micro_batches=(1, 2, 4, 8)):
         for pp in range(1, layers + 1):
             if gpus % (tp * pp):
                 continue
-            for schedule, v in (SCHEDULES if pp > 1 else (("1f1b", 1),)):
-                for mbs in micro_batches:
-                    yield tp, pp, gpus // (tp * pp), schedule, v, mbs
+            for schedule in (SCHEDULES if pp > 1 else ("1f1b",)):
+                for v in _virtual_stages(schedule, pp, layers):
+                    for mbs in micro_batches:
+                        yield tp, pp, gpus // (tp * pp), schedule, v, mbs
 
 
 def _with(cfg, **parallel_and_mbs):
@@ -239,11 +251,14 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
     except ConfigError as e:
         return name, None, str(e)
     best, reasons = None, []
+    activations: Dict[str, List[int]] = {}  # per recomputation: the ZeRO stage moves no activation
     for recompute, zero in itertools.product(RECOMPUTE, ZERO):
         c = _with(cfg, zero_stage=zero, recompute=recompute, **layout)
         try:
             validate(c, gpus)
-            peak = max(f.stage_activation_bytes(c, gpus, s)["peak"] + _state_estimate(c, gpus, s) for s in range(pp))
+            if recompute not in activations:
+                activations[recompute] = [f.stage_activation_bytes(c, gpus, s)["peak"] for s in range(pp)]
+            peak = max(activations[recompute][s] + _state_estimate(c, gpus, s) for s in range(pp))
             if peak > c.cluster.memory_per_device_gb * GB:
                 reasons.append(f"needs {peak / GB:.1f} GB a device with recompute={recompute}, ZeRO-{zero}")
                 continue
@@ -274,11 +289,11 @@ def _best_options(cfg, gpus: int, group: List[tuple]) -> List[Tuple[str, Optiona
 def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     """Rank the layouts of `gpus` devices by estimated step time; say why the others were dropped.
 
-    Every (tp, pp, schedule, micro-batch) of `candidates` is tried with each recomputation (none,
+    Every (tp, pp, schedule, virtual stages, micro-batch) of `candidates` is tried with each recomputation (none,
     selective, full) and ZeRO stage (0-3); the options whose peak fits the device are estimated and the
     fastest is kept. A layout the run itself would refuse is dropped with its error, one where no option
     fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
-    and schedule go to one process, which reads their meta-device layout once)."""
+    schedule and virtual stages go to one process, which reads their meta-device layout once)."""
     from megalm.plan import formulas as f
     if not cfg.cluster.memory_per_device_gb:
         raise ConfigError(f"--search needs the devices' memory: cluster={cfg.cluster.name} has no "

@@ -1,4 +1,5 @@
-"""The training loop: gradient accumulation, clipping, schedule, evaluation, checkpoints, logging."""
+"""The training loop: gradient accumulation, clipping, schedule, evaluation, checkpoints, logging,
+the step-time breakdown (training/step_time.py) and profiled steps (training/profiling.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import math
 import signal
 import time
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -20,6 +22,8 @@ from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
+from megalm.training.profiling import profile_step
+from megalm.training.step_time import NoTimer, StepTimer, describe
 
 log = logging.getLogger("megalm.trainer")
 _stopped_on_signal = False  # signals are per process, and so is this record of one (stopped_on_signal)
@@ -34,9 +38,10 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, throughput: Throughput,
                  device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, layout=None,
-                 pipeline=None, data_parallel=None, is_rank0: bool = True):
+                 pipeline=None, data_parallel=None, is_rank0: bool = True, run_dir: Optional[Path] = None):
         """`metrics` may be set later (before fit): the run writes nothing until a resume is accepted.
-        `layout`: what megalm.parallel.parallelize returned for this rank."""
+        `layout`: what megalm.parallel.parallelize returned for this rank. `run_dir`: where profiled
+        steps' traces go (trainer.profile_steps)."""
         from megalm.data import MicroBatchLoader
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
@@ -69,6 +74,8 @@ class Trainer:
             pipeline.loss_scale = self.scaler.scale if self.scaler else 1.0
         self.skipped_steps = 0
         self.skips_in_a_row = 0
+        self.run_dir = run_dir
+        self.timer = StepTimer(device, pipeline) if cfg.time_breakdown else NoTimer()
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
@@ -121,8 +128,15 @@ class Trainer:
         return {prefix + name: v for name, v in zip(self.metric_names, values.tolist())}
 
     def train_step(self) -> Dict[str, float]:
+        with self.timer.step():
+            return self._train_step()
+
+    def _train_step(self) -> Dict[str, float]:
+        timer = self.timer  # each phase() mark: from here on the time goes to that part
         self.model.train()
+        timer.phase("data")
         micro_batches = self._batches(self.loader)
+        timer.phase("other")
         lr = self.schedule(self.step)
         set_lr(self.optimizer, lr)
         total = torch.zeros((), device=self.device)
@@ -131,18 +145,25 @@ class Trainer:
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
+            joined = self._joined(micro_batches)
+            timer.phase("pipeline")  # forward and backward interleave in the schedule: compute + idle
             with self._autocast():
-                total = self.pipeline.step(self._joined(micro_batches))
+                total = self.pipeline.step(joined)
+            timer.phase("other")
             extra = self.pipeline.last_metrics
         else:
             for batch in micro_batches:
+                timer.phase("forward")
                 with self._autocast():
                     loss, values = self._loss(batch)
                     loss = loss / len(micro_batches)
+                timer.phase("backward")
                 (loss * scale if scale != 1.0 else loss).backward()
+                timer.phase("other")
                 total += loss.detach()
                 if values is not None:
                     extra += values / len(micro_batches)
+        timer.phase("optimizer")
         if self.data_parallel is not None:
             self.data_parallel.finish()  # wait for the dp reductions; sum tp / embedding replicas
         overflow = False
@@ -160,6 +181,7 @@ class Trainer:
             self.optimizer.step()
             self.skips_in_a_row = 0
         self.optimizer.zero_grad(set_to_none=True)
+        timer.phase("other")
         self.step += 1
         self.throughput.add(self.cfg.global_batch_size * micro_batches[0][self.inputs[0]].shape[1])  # tokens a sample
         out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item(),
@@ -280,9 +302,14 @@ class Trainer:
                 self._eval_and_log(bar)
             self.throughput.reset()
             t_start = time.perf_counter()
+            profiled = set(c.profile_steps)
             while self.step < c.max_steps:
                 try:
-                    out = self.train_step()
+                    if self.step + 1 in profiled:
+                        with profile_step(self.run_dir, self.step + 1, self.device):
+                            out = self.train_step()
+                    else:
+                        out = self.train_step()
                 except TrainingError:
                     self.checkpointer.finish()  # a background save of an earlier, good step still lands
                     bar.close()
@@ -291,6 +318,7 @@ class Trainer:
                 last = self.step == c.max_steps
                 if self.step % c.log_interval == 0 or last:
                     out.update(self.throughput.report())
+                    out.update(self.timer.report())
                     out.update(step=self.step, consumed_samples=self.loader.consumed_samples,
                                elapsed_s=time.perf_counter() - t_start,
                                **self._peak_memory())
@@ -298,8 +326,9 @@ class Trainer:
                     bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}",
                                     tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
                     if not c.progress_bar and self.is_rank0:
-                        log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s", self.step, c.max_steps,
-                                 out["loss"], out["lr"], out["tokens_per_s"])
+                        log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s%s", self.step, c.max_steps,
+                                 out["loss"], out["lr"], out["tokens_per_s"],
+                                 f" | {describe(out)}" if "time_step_s" in out else "")
                 if last or (c.eval_interval > 0 and self.step % c.eval_interval == 0):
                     self._eval_and_log(bar)
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
