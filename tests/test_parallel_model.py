@@ -26,6 +26,7 @@ BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batc
 # Two model families: GPT-2 style (learned positions, LayerNorm with bias, GELU, tied head) and
 # Llama style (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied head).
 GPT2 = ["model.dropout=0.0"]
+FUSED = ["model.fused_loss=true", "model.loss_chunk_tokens=24"]  # 64 tokens a micro-batch: chunks of 24, 24, 16
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2", "model.vocab_size=200"]  # padded to 200 / 208 / 224 at tp 1 / 2 / 4
 
@@ -103,6 +104,16 @@ LAYOUTS = [
     ("gpt2", ["parallel=pp2_dp2", "parallel.zero_stage=3"], 4),
     ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
                "parallel.zero_stage=3", "parallel.recompute=full"], 4),
+    # The fused head + loss (model.fused_loss) against the unfused single process: the last stage hands the
+    # loss hidden states; the tied head split across stages (1f1b) or on one rank (zbv), the zero-bubble
+    # split backward, the head gathered by ZeRO-3, vocabulary-parallel with SP inside an interleaved pipeline.
+    ("gpt2", ["parallel=pp2", "parallel.pipeline_schedule=1f1b", *FUSED], 2),
+    ("llama", ["parallel=pp2", "parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2",
+               *FUSED], 2),
+    ("gpt2", ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2", *FUSED], 2),
+    ("gpt2", ["parallel=dp2", "parallel.zero_stage=3", *FUSED], 2),
+    ("llama", ["parallel=tp2_pp2", "parallel.sequence_parallel=true", "parallel.pipeline_schedule=interleaved_1f1b",
+               "parallel.virtual_pipeline_size=2", *FUSED], 4),
 ]
 
 
