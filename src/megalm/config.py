@@ -189,6 +189,12 @@ class TrainerConfig:
     time_breakdown: bool = True
     """Log where each step's time goes (data, forward, backward, optimizer, collectives, pipeline idle) as time_*_s
     at log_interval; under 1% of a CPU step (docs/PERFORMANCE.md); on CUDA it synchronizes the device at each phase."""
+    compile: str = "none"
+    """torch.compile: none | model (the whole forward of the rank: the model, or each pipeline stage) | blocks (each
+    transformer block on its own). Off by default: compiling costs time at the first step (docs/PERFORMANCE.md)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend with trainer.compile on: inductor (generated kernels; on CPU it needs a C++ compiler,
+    else the run goes on eagerly with a warning) | aot_eager (graph capture without code generation: checks)."""
     profile_steps: List[int] = field(default_factory=list)
     """Steps (1 = the first) to run under torch.profiler, each rank writing <run dir>/profiles/step_N_rankR.pt.trace.json."""
 

@@ -26,6 +26,8 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
+    "trainer.compile": ("none", "model", "blocks"),
+    "trainer.compile_backend": ("inductor", "aot_eager", "eager"),
     "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),
     "cluster.launcher": ("local", "torchrun", "slurm"),

@@ -63,9 +63,12 @@ class FullyShardedDataParallel(DataParallel):
                     buckets.append(b)
             self.unit_buckets[unit] = buckets
         self.next_unit = {a: b for a, b in zip(self.units, self.units[1:])}
+        # The hooks resize storages and wait on async gathers: torch.compile (trainer.compile) runs them
+        # eagerly between its graphs rather than tracing them.
+        pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
         for unit in self.units:
-            unit.register_forward_pre_hook(self._pre_forward)
-            unit.register_forward_hook(self._post_forward)
+            unit.register_forward_pre_hook(pre)
+            unit.register_forward_hook(post)
 
     # -- layout: buckets never span two units ----------------------------------------------------
     def _param_groups(self, cap: int) -> List[List[nn.Parameter]]:

@@ -85,6 +85,8 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         from megalm.parallel.pipeline import build_pipeline
         pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
+    from megalm.training.compiling import apply_compile
+    apply_compile(model, t.compile, t.compile_backend, device.type, pipeline)
     from megalm.parallel.data import build_data_parallel
     data_parallel = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)

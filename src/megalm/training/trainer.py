@@ -297,12 +297,16 @@ class Trainer:
             self.metrics = MetricLogger(None, None, {})
         bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
                    dynamic_ncols=True, desc="train", unit="step")
+        if c.compile != "none":
+            from megalm.training.compiling import compile_report, compile_stats
+            before = compile_stats()  # this run's compilation (evaluation's graphs included) counts from here
         with logging_redirect_tqdm():
             if c.eval_at_start and self.step == 0:
                 self._eval_and_log(bar)
             self.throughput.reset()
             t_start = time.perf_counter()
             profiled = set(c.profile_steps)
+            compiled_logged, compiled = False, None  # trainer.compile: its cost, in the next metrics record
             while self.step < c.max_steps:
                 try:
                     if self.step + 1 in profiled:
@@ -315,13 +319,20 @@ class Trainer:
                     bar.close()
                     raise
                 bar.update(1)
+                if c.compile != "none" and not compiled_logged:
+                    # The first step compiled the graphs (its interval's tokens/s includes that): say what it cost.
+                    compiled_logged = True
+                    compiled = compile_stats(since=before)
+                    if self.is_rank0:
+                        log.info("step %d: trainer.compile=%s: %s", self.step, c.compile, compile_report(compiled))
                 last = self.step == c.max_steps
                 if self.step % c.log_interval == 0 or last:
                     out.update(self.throughput.report())
                     out.update(self.timer.report())
                     out.update(step=self.step, consumed_samples=self.loader.consumed_samples,
                                elapsed_s=time.perf_counter() - t_start,
-                               **self._peak_memory())
+                               **self._peak_memory(), **(compiled or {}))
+                    compiled = None
                     self.metrics.write(out)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}",
                                     tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
