@@ -8,11 +8,16 @@ per-round tokens/s, the ratio of the two medians and the median of the per-round
 
     python scripts/bench.py                          # gpt_cpu's shape as GPT-2, ~1-2 min on 2 cores
     python scripts/bench.py --layers 2 --hidden 128 --json out.json
+    python scripts/bench.py --modes eager,compiled,compiled-blocks,bf16,bf16-compiled   # every mode side by side
+
+With --modes, each mode is one more pair of runs (megalm and HF from the same weights) in the same
+alternating rounds, so every ratio between two runs is measured side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -25,6 +30,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, OptimizerConfig, conf_dir, model_config_from
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
+from megalm.training.compiling import apply_compile
 from megalm.training.metrics import measure_matmul_peak
 from megalm.training.optim import build_optimizer, param_groups
 
@@ -50,8 +56,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
     p.add_argument("--peak-seconds", type=float, default=0.3, help="length of each round's matmul-peak measurement")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batches")
+    p.add_argument("--modes", default="eager",
+                   help="comma-separated: eager, compiled (torch.compile of the whole model, megalm's "
+                        "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
+                        "whole), bf16 (CPU autocast), bf16-compiled; each runs for megalm and HF alike")
     p.add_argument("--json", type=Path, help="also write the results here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    bad = [m for m in args.modes if m not in MODES]
+    if bad or not args.modes:
+        p.error(f"--modes {','.join(bad) or '(empty)'}: choose from {', '.join(MODES)}")
+    return args
+
+
+MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled")
 
 
 def model_config(args) -> ModelConfig:
@@ -125,24 +143,32 @@ def main(argv=None) -> dict:
     assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
 
     opt_cfg = OptimizerConfig()
-    runs = {
+    runs = {}
+    for mode in args.modes:
+        m_model, h_model = (mega, hf) if mode == args.modes[0] else (copy.deepcopy(mega), copy.deepcopy(hf))
+        compiled = mode.endswith("compiled") or mode == "compiled-blocks"
+        if compiled:  # HF's user compiles the whole model; megalm's option picks the granularity
+            apply_compile(m_model, "blocks" if mode == "compiled-blocks" else "model", "inductor", "cpu")
+            h_model.compile()
+        amp = mode.startswith("bf16")
         # Both losses go through lm_loss, so the step differs only in model code.
-        "megalm": (mega, build_optimizer(opt_cfg, mega), lambda x, y: mega(x, labels=y)),
+        runs[f"megalm/{mode}"] = (m_model, build_optimizer(opt_cfg, m_model),
+                                  lambda x, y, m=m_model: m(x, labels=y), amp)
         # Plain torch AdamW for HF, with the same settings and the same decay / no-decay split.
-        "hf": (hf, torch.optim.AdamW(param_groups(hf, opt_cfg.weight_decay), lr=opt_cfg.lr,
-                                     betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, foreach=True),
-               lambda x, y: lm_loss(hf(input_ids=x).logits, y)),
-    }
-    state = {name: {"step": 0, "loss": float("nan"), "rounds": []} for name in runs}
+        runs[f"hf/{mode}"] = (h_model, torch.optim.AdamW(param_groups(h_model, opt_cfg.weight_decay), lr=opt_cfg.lr,
+                                                         betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, foreach=True),
+                              lambda x, y, m=h_model: lm_loss(m(input_ids=x).logits, y), amp)
+    state = {name: {"step": 0, "loss": float("nan"), "rounds": [], "warmup_s": 0.0} for name in runs}
 
     def train(name: str, steps: int) -> float:
-        model, opt, loss_fn = runs[name]
+        model, opt, loss_fn, amp = runs[name]
         model.train()
         s = state[name]
         t0 = time.perf_counter()
         for _ in range(steps):
             batch = batches[s["step"] % len(batches)]
-            loss = loss_fn(batch[:, :-1], batch[:, 1:])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                loss = loss_fn(batch[:, :-1], batch[:, 1:])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -152,7 +178,7 @@ def main(argv=None) -> dict:
 
     for name in runs:
         if args.warmup:
-            train(name, args.warmup)
+            state[name]["warmup_s"] = train(name, args.warmup)  # compiled runs compile here
     # A shared machine's matmul speed was seen to swing 3x within seconds (other tenants), so the
     # MFU denominator is measured in every round, next to the steps it divides.
     peaks = []
@@ -167,19 +193,37 @@ def main(argv=None) -> dict:
         tps = statistics.median(s["rounds"])
         results[name] = {"tokens_per_s": tps, "tflops": tps * fpt / 1e12,
                          "mfu": statistics.median(t * fpt / p for t, p in zip(s["rounds"], peaks)),
-                         "rounds_tokens_per_s": s["rounds"], "final_loss": s["loss"]}
-    # A round's two runs are seconds apart, so their ratio cancels most of the machine's drift.
-    paired = statistics.median(a / b for a, b in zip(state["megalm"]["rounds"], state["hf"]["rounds"]))
+                         "rounds_tokens_per_s": s["rounds"], "final_loss": s["loss"], "warmup_s": s["warmup_s"]}
+
+    def paired(a: str, b: str) -> float:
+        """A round's runs are seconds apart, so their ratio cancels most of the machine's drift."""
+        return statistics.median(x / y for x, y in zip(state[a]["rounds"], state[b]["rounds"]))
+    first = args.modes[0]
+    ratios = {}
+    for mode in args.modes:
+        ratios[f"megalm/{mode} : hf/{mode}"] = paired(f"megalm/{mode}", f"hf/{mode}")
+        if mode != first:
+            ratios[f"megalm/{mode} : megalm/{first}"] = paired(f"megalm/{mode}", f"megalm/{first}")
+            ratios[f"megalm/{mode} : hf/{first}"] = paired(f"megalm/{mode}", f"hf/{first}")
+            ratios[f"hf/{mode} : hf/{first}"] = paired(f"hf/{mode}", f"hf/{first}")
+    for a, b in (("compiled", "compiled-blocks"), ("bf16", "bf16-compiled")):
+        if a in args.modes and b in args.modes:
+            ratios[f"megalm/{b} : megalm/{a}"] = paired(f"megalm/{b}", f"megalm/{a}")
+    if "compiled" in args.modes:  # megalm's best fp32 mode against HF's compiled model
+        for mode in ("eager", "compiled", "compiled-blocks"):
+            if mode in args.modes:
+                ratios[f"megalm/{mode} : hf/compiled"] = paired(f"megalm/{mode}", "hf/compiled")
     out = {"command": " ".join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)]),
            "config": {k: getattr(cfg, k) for k in ("name", "num_layers", "hidden_size", "num_attention_heads",
                                                    "seq_length", "vocab_size", "padded_vocab_size", "ffn_size")},
-           "micro_batch": B, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
+           "micro_batch": B, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "modes": args.modes,
            "threads": torch.get_num_threads(), "torch": torch.__version__,
            "hf_attn_implementation": hf.config._attn_implementation,
            "params": params, "flops_per_token": fpt, "peak_tflops": statistics.median(peaks) / 1e12,
            "rounds_peak_tflops": [p / 1e12 for p in peaks],
-           "initial_logit_max_abs_diff": logit_diff, "results": results,
-           "ratio": results["megalm"]["tokens_per_s"] / results["hf"]["tokens_per_s"], "paired_ratio": paired}
+           "initial_logit_max_abs_diff": logit_diff, "results": results, "paired_ratios": ratios,
+           "ratio": results[f"megalm/{first}"]["tokens_per_s"] / results[f"hf/{first}"]["tokens_per_s"],
+           "paired_ratio": ratios[f"megalm/{first} : hf/{first}"]}
     print_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
@@ -190,23 +234,22 @@ def print_table(out: dict) -> None:
     c = out["config"]
     print(f"shape: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
           f"seq {c['seq_length']}, vocab {c['vocab_size']} (padded {c['padded_vocab_size']}); "
-          f"micro-batch {out['micro_batch']}, {out['threads']} threads, fp32, AdamW")
+          f"micro-batch {out['micro_batch']}, {out['threads']} threads, AdamW; modes {', '.join(out['modes'])}")
     print(f"params: {out['params']['megalm']:,} (both)   model FLOPs/token: {out['flops_per_token'] / 1e6:.1f} M   "
-          f"matmul peak (median of rounds): {out['peak_tflops'] * 1e3:.0f} GFLOP/s   "
+          f"fp32 matmul peak (median of rounds): {out['peak_tflops'] * 1e3:.0f} GFLOP/s   "
           f"HF attention: {out['hf_attn_implementation']}")
-    print(f"{out['rounds']} rounds x {out['steps']} steps per model after {out['warmup']} warm-up steps; "
-          "median of per-round tokens/s and MFU")
-    print(f"| {'model':<14} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | {'round min-max tokens/s':>22} "
-          f"| {'loss':>6} |")
-    print(f"|{'-' * 16}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 24}|{'-' * 8}|")
-    for name, label in (("megalm", "megalm GPT"), ("hf", "HF GPT2LMHead")):
-        r = out["results"][name]
+    print(f"{out['rounds']} rounds x {out['steps']} steps per run after {out['warmup']} warm-up steps (compilation "
+          "happens there); median of per-round tokens/s; MFU against the fp32 peak")
+    print(f"| {'run':<22} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | {'round min-max tokens/s':>22} "
+          f"| {'warm-up s':>9} | {'loss':>6} |")
+    print(f"|{'-' * 24}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 24}|{'-' * 11}|{'-' * 8}|")
+    for name, r in out["results"].items():
         spread = f"{min(r['rounds_tokens_per_s']):.0f}-{max(r['rounds_tokens_per_s']):.0f}"
-        print(f"| {label:<14} | {r['tokens_per_s']:>9.0f} | {r['tflops']:>8.4f} | {r['mfu']:>6.1%} | {spread:>22} "
-              f"| {r['final_loss']:>6.3f} |")
-    print(f"ratio megalm / HF: {out['ratio']:.3f} (of the medians), "
-          f"{out['paired_ratio']:.3f} (median of per-round ratios)")
-
+        print(f"| {name:<22} | {r['tokens_per_s']:>9.0f} | {r['tflops']:>8.4f} | {r['mfu']:>6.1%} | {spread:>22} "
+              f"| {r['warmup_s']:>9.1f} | {r['final_loss']:>6.3f} |")
+    print("paired ratios (median over rounds of the ratio within a round):")
+    for name, ratio in out["paired_ratios"].items():
+        print(f"  {name:<44} {ratio:.3f}")
 
 if __name__ == "__main__":
     main()

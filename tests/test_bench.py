@@ -17,10 +17,12 @@ def test_bench_smoke(tmp_path):
     out_path = tmp_path / "bench.json"
     # The current thread count, so the test leaves torch as it found it for the tests after it.
     bench.main(["--model", "gpt_tiny", "--micro-batch", "2", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--json", str(out_path)])
+                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16",
+                "--json", str(out_path)])
     out = json.loads(out_path.read_text())
-    assert out["results"]["megalm"]["tokens_per_s"] > 0
-    assert out["results"]["hf"]["tokens_per_s"] > 0
+    assert set(out["results"]) == {"megalm/eager", "hf/eager", "megalm/bf16", "hf/bf16"}
+    assert all(r["tokens_per_s"] > 0 for r in out["results"].values())
+    assert {"megalm/bf16 : hf/bf16", "megalm/bf16 : megalm/eager"} <= set(out["paired_ratios"])
     assert out["params"]["megalm"] == out["params"]["hf"] > 0
     assert out["initial_logit_max_abs_diff"] < 1e-3
     assert out["ratio"] > 0 and "paired_ratio" in out
