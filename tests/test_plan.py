@@ -179,28 +179,72 @@ def test_loss_traffic_counts_the_passes_the_loss_makes(overrides):
     assert _loss_passes(logits, lambda x: LMLoss(mc.vocab_size)(x, labels)) == loss_traffic_bytes(cfg, 1)
 
 
-def _vocab_parallel_passes(rank, world, overrides):
+BERT_TINY = ["model=bert_tiny", "data=mock", "trainer.micro_batch_size=2"]
+
+
+def _bert_batch(cfg, n: int):
+    """n of BERT's mock samples (padding, masked positions, sentence order) as a batch dict."""
+    from megalm.data import build_data_tokenizer
+    from megalm.data.bert_dataset import MockBertDataset
+    from megalm.data.loader import collate
+    data = MockBertDataset(build_data_tokenizer(cfg.data), cfg.model.seq_length, 1, "train", n)
+    return collate([data[i] for i in range(n)])
+
+
+@pytest.mark.parametrize("overrides", [[], ["trainer.precision=bf16"]])
+def test_bert_loss_traffic_counts_the_mlm_loss_and_its_accuracy(overrides):
+    """BERT's loss (its own loss_and_metrics) runs LMLoss over the logits of every position, the loss mask
+    keeping the masked ones, then reads them once more for the logged MLM accuracy: `loss_traffic_bytes`
+    equals the bytes it reads and writes over the logits, counted op by op."""
     import torch
+    from megalm.models import build_model
+    from megalm.plan.formulas import loss_traffic_bytes
+    cfg = _compose(*BERT_TINY, "trainer.global_batch_size=8", *overrides)
+    mc = cfg.model
+    model, batch = build_model(mc), _bert_batch(cfg, 2)
+    dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
+    logits = torch.randn(2, mc.seq_length, mc.padded_vocab_size, generator=torch.Generator().manual_seed(0))
+    order = torch.zeros(2, 2)
+    assert _loss_passes(logits.to(dtype).requires_grad_(), lambda x: model.loss_and_metrics((x, order), batch)[0]) \
+        == loss_traffic_bytes(cfg, 1)
+
+
+def _vocab_parallel_passes(rank, world, overrides):
+    """(counted, planned) loss traffic on this rank's vocabulary shard: GPT's vocabulary-parallel loss, and
+    BERT's loss_and_metrics with the vocabulary-parallel criterion its tp plan gives it."""
+    import torch
+    from megalm.models import build_model
     from megalm.parallel.tensor import vocab_parallel_cross_entropy
+    from megalm.parallel.tp_plan import VocabParallelLMLoss
     from megalm.plan.formulas import loss_traffic_bytes
     import torch.distributed as dist
-    cfg = _compose(*TINY, "trainer.global_batch_size=8", f"parallel.tp={world}", *overrides)
-    mc = cfg.model
-    cols = mc.padded_vocab(world) // world
-    gen = torch.Generator().manual_seed(rank)
-    dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
-    logits = torch.randn(2, mc.seq_length, cols, generator=gen).to(dtype).requires_grad_()
-    labels = torch.randint(0, mc.vocab_size, (2, mc.seq_length), generator=torch.Generator().manual_seed(0))
-    got = _loss_passes(logits, lambda x: vocab_parallel_cross_entropy(
-        x, labels, dist.group.WORLD, vocab_start=rank * cols, vocab_size=mc.vocab_size).mean())
-    return got, loss_traffic_bytes(cfg, world)
+    out = []
+    for model in (TINY, BERT_TINY):
+        cfg = _compose(*model, "trainer.global_batch_size=8", f"parallel.tp={world}", *overrides)
+        mc = cfg.model
+        cols = mc.padded_vocab(world) // world
+        gen = torch.Generator().manual_seed(rank)
+        dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
+        logits = torch.randn(2, mc.seq_length, cols, generator=gen).to(dtype).requires_grad_()
+        if mc.arch == "bert":
+            bert, batch = build_model(mc), _bert_batch(cfg, 2)
+            bert.criterion = VocabParallelLMLoss(dist.group.WORLD, rank * cols, mc.vocab_size)
+            got = _loss_passes(logits, lambda x: bert.loss_and_metrics((x, torch.zeros(2, 2)), batch)[0])
+        else:
+            labels = torch.randint(0, mc.vocab_size, (2, mc.seq_length), generator=torch.Generator().manual_seed(0))
+            got = _loss_passes(logits, lambda x: vocab_parallel_cross_entropy(
+                x, labels, dist.group.WORLD, vocab_start=rank * cols, vocab_size=mc.vocab_size).mean())
+        out.append((mc.arch, got, loss_traffic_bytes(cfg, world)))
+    return out
 
 
 def test_loss_traffic_counts_the_vocab_parallel_passes():
-    """At tp 2 the vocabulary-parallel loss's passes over each rank's shard equal `loss_traffic_bytes`."""
+    """At tp 2 the vocabulary-parallel loss's passes over each rank's shard (GPT's loss; BERT's loss and its
+    MLM accuracy) equal `loss_traffic_bytes`."""
     for overrides in ([], ["trainer.precision=bf16"]):
-        for got, expected in run_ranks(2, _vocab_parallel_passes, overrides):
-            assert got == expected, overrides
+        for rank in run_ranks(2, _vocab_parallel_passes, overrides):
+            for arch, got, expected in rank:
+                assert got == expected, (arch, overrides)
 
 
 def test_the_loss_traffic_lengthens_the_last_stage_by_bytes_over_bandwidth():
@@ -309,9 +353,59 @@ def test_search_ranks_fitting_layouts_and_says_why_others_drop():
     assert none["fitting"] == 0 and any(why.startswith("needs ") for why in none["dropped"].values())
 
 
-def test_a_family_without_activation_formulas_still_gets_its_parameters():
-    got = _plan("model=bert_tiny", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=4")
-    assert "not_modelled" in got and got["positions"][0]["params"] > 0
+def test_bert_single_device_step_time_by_hand():
+    """BERT on one H100 in bf16, as GPT's by hand above, with BERT's FLOPs (its MLM transform's dense on every
+    token) and 46 bytes a logit: its MLM loss over every position streams GPT's 36, and the logged accuracy
+    casts the logits to fp32 once more (2 + 4) and reads them for their max (4)."""
+    from megalm.models import flops_per_token
+    got = _plan(*BERT_TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16")
+    cfg = _compose(*BERT_TINY, "trainer.global_batch_size=8")
+    assert "not_modelled" not in got and cfg.model.padded_vocab_size == cfg.model.vocab_size == 256
+    params, tokens = got["positions"][0]["params"], 8 * cfg.model.seq_length
+    expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + tokens * 256 * 46 / 3.35e12 \
+        + 28 * params / 3.35e12
+    assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_bert_stage_boundaries_carry_the_padding_mask_in_the_step_time():
+    """GPipe at pp 2 with two micro-batches, the last stage (the heads, the loss's traffic) the slower:
+    F(0, 0) F(0, 1) | send | F(1, 0) F(1, 1) B(1, 0) B(1, 1) | send | B(0, 1) ends the step. BERT's forward
+    send carries the (b, s) int64 padding mask beside the (b, s, h) fp32 hidden states, its backward the
+    hidden states' gradient alone: each crossing one latency plus its bytes over NVLink, by hand."""
+    from megalm.plan.formulas import loss_traffic_bytes, stage_work
+    layout = ("trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe",
+              "cluster=slurm_h100", "trainer.precision=bf16")
+    cfg = _compose(*BERT_TINY, *layout)
+    got = _plan(*BERT_TINY, *layout)["estimate"]
+    c, m = cfg.cluster, cfg.model
+    rate, bw = 989e12 * c.matmul_efficiency, c.intra_node_bandwidth * c.comm_efficiency
+    first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
+    fwd, bwd = loss_traffic_bytes(cfg, 1)
+    head_f, head_b = last.forward / rate + fwd / c.memory_bandwidth, last.backward / rate + bwd / c.memory_bandwidth
+    assert first.forward / rate < head_f and first.backward / rate < head_b  # the order above
+    hidden, mask = 2 * m.seq_length * m.hidden_size * 4, 2 * m.seq_length * 8
+    expected = (first.forward + first.backward) / rate + 2 * (head_f + head_b) \
+        + 2 * c.intra_node_latency + (2 * hidden + mask) / bw
+    assert got["pipeline_seconds"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_bert_gets_activations_collectives_and_step_time():
+    """BERT's pretraining heads are modelled: every pipeline rank gets its activation peak and sends, and
+    the table its step time."""
+    from megalm.plan import format_table
+    got = _plan(*BERT_TINY, "trainer.global_batch_size=16", "parallel=tp2_pp2", "parallel.sequence_parallel=true",
+                "cluster=slurm_h100", "trainer.precision=bf16")
+    assert "not_modelled" not in got and got["estimate"]["step_seconds"] > 0
+    for q in got["positions"]:
+        assert q["activation_peak_bytes"] > 0 and q["comm_bytes"]["pp"] > 0 and q["comm_bytes"]["tp"] > 0, q
+    assert "bert_tiny at tp2 pp2 dp1" in format_table(got) and "on cluster=slurm_h100: step" in format_table(got)
+
+
+def test_a_head_without_activation_formulas_still_gets_its_parameters():
+    """BERT's fine-tuning heads are not modelled: the table says so, and still counts parameters and state."""
+    got = _plan("model=bert_tiny", "model.num_labels=2", "data=classification", "data.paths=[train.tsv]",
+                "data.task=sst2", "trainer.micro_batch_size=2", "trainer.global_batch_size=4")
+    assert "fine-tuning heads" in got["not_modelled"] and got["positions"][0]["params"] > 0
 
 
 @pytest.mark.parametrize("override,named", [("cluster.matmul_efficiency=1.5", "cluster.matmul_efficiency=1.5"),

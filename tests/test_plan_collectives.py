@@ -3,9 +3,10 @@ step issues (count_comm: calls and bytes per kind; the scalars sent through torc
 recorded here) equal step_collectives exactly, and the model state measured right after the optimizer
 step equals exact_model_state_bytes exactly, padding included.
 
-One launch of 2 ranks runs every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel
-with ZeRO-1, then ZeRO-3); the single process runs here. Each layout runs a step first (the pipeline's shape inference, the buckets learning how many
-accumulations a step makes) and is measured in its second.
+GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's). One
+launch of 2 ranks runs every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with
+ZeRO-1, then ZeRO-3); the single processes run here. Each layout runs a step first (the pipeline's shape
+inference, the buckets learning how many accumulations a step makes) and is measured in its second.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ import pytest
 
 from distributed import run_ranks
 
-BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batch_size=2",
-        "trainer.global_batch_size=8", "trainer.num_threads=1", "trainer.progress_bar=false",
-        "checkpoint.save=false", "parallel.bucket_size_mb=0.02"]  # ~5k-element buckets: several per rank
+GPT = ["model=gpt_tiny", "model.num_layers=4"]  # the model of a layout that names none
+BASE = ["data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.num_threads=1",
+        "trainer.progress_bar=false", "checkpoint.save=false",
+        "parallel.bucket_size_mb=0.02"]  # ~5k-element buckets: several per rank
+# BERT's pretraining heads: the padding mask crosses stages with the hidden states, the pooler gathers the
+# sequence under sp, the MLM accuracy all-reduces over tp, its metrics join the loss's scalars.
+BERT = ["model=bert_tiny", "model.num_layers=4"]
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2"]
 # Odd widths and a bucket per parameter: buckets of odd length, padded to a multiple of dp.
@@ -44,6 +49,10 @@ TWO_RANKS = [
     ["parallel=dp2", "parallel.zero_stage=1", *ODD],
     ["parallel=dp2", "parallel.zero_stage=2", *LLAMA],
     ["parallel=dp2", "parallel.zero_stage=3", *ODD, "parallel.recompute=full", "model.dropout=0.1"],
+    # post-norm: full recomputation replays the MLP's g without dropout too (norm2 saves its input)
+    [*BERT, "parallel=tp2", "parallel.sequence_parallel=true", "model.norm_position=post", "parallel.recompute=full"],
+    [*BERT, "parallel=pp2", "parallel.pipeline_schedule=1f1b", "trainer.precision=bf16"],
+    [*BERT, "parallel=dp2", "parallel.zero_stage=1", "model.binary_head=false"],
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA]]
@@ -51,7 +60,8 @@ EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "para
 
 def _compose(overrides):
     from megalm.plan import compose
-    return compose([*BASE, *overrides])
+    model = [] if any(o.startswith("model=") for o in overrides) else GPT
+    return compose([*model, *BASE, *overrides])
 
 
 def _step_on_this_rank(world, overrides):
@@ -66,7 +76,7 @@ def _step_on_this_rank(world, overrides):
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
     from megalm.distributed.comm import count_comm
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
+    from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.parallel.data import build_data_parallel
     from megalm.training.checkpoint import Checkpointer
@@ -79,9 +89,10 @@ def _step_on_this_rank(world, overrides):
     torch.manual_seed(t.seed)
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = build_mesh(dims, "cpu")
-    tokenizer = build_data_tokenizer(cfg.data)
+    tokenizer, family = build_data_tokenizer(cfg.data), family_of(cfg.model.arch)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
-                      num_samples=num_samples_for(2, t.global_batch_size, 0, 1))
+                      num_samples=num_samples_for(2, t.global_batch_size, 0, 1),
+                      samples=family.samples(cfg.model) if family.samples else None)
     model = build_model(cfg.model, "meta")
     layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
@@ -141,11 +152,12 @@ def measured():
         per_rank = run_ranks(world, _layouts, layouts, timeout=600.0)
         for i in range(len(layouts)):
             out[offset + i] = [r[i] for r in per_rank]
-    out["single"] = [_step_on_this_rank(1, ["parallel=single"])]
+    out.update({name: [_step_on_this_rank(1, overrides)] for name, overrides in SINGLE.items()})
     return out
 
 
-CASES = [(i, o) for i, o in enumerate(TWO_RANKS + EIGHT_RANKS)] + [("single", ["parallel=single"])]
+SINGLE = {"single": ["parallel=single"], "bert single": [*BERT, "parallel=single"]}
+CASES = [(i, o) for i, o in enumerate(TWO_RANKS + EIGHT_RANKS)] + list(SINGLE.items())
 
 
 @pytest.mark.parametrize("index,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
@@ -191,6 +203,11 @@ def test_what_is_not_modelled_is_refused():
     classifier = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, num_labels=2))
     with pytest.raises(ConfigError, match="fine-tuning head"):
         step_collectives(classifier, world, 0, 0)
+    cfg, world = _compose([*BERT])
+    for head in ({"num_labels": 2}, {"num_choices": 4}, {"span_head": True}):
+        tuned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **head))
+        with pytest.raises(ConfigError, match="BERT's fine-tuning heads"):
+            step_collectives(tuned, world, 0, 0)
 
 
 def test_bad_arguments_are_refused():

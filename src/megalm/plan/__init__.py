@@ -99,7 +99,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     for stage in range(dims.pp):
         try:
             act = f.stage_activation_bytes(cfg, world, stage)  # alike on every tp rank of the stage
-        except ConfigError as e:  # activations and collectives are modelled for GPT language models only
+        except ConfigError as e:  # modelled for GPT language models and BERT pretraining only
             act, not_modelled = None, str(e)
         for tp_rank in sorted({0, dims.tp - 1}):
             rank = _rank_of(stage, tp_rank, dims)

@@ -107,6 +107,11 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
     - the vocabulary-parallel loss (tp > 1, megalm.parallel.tensor): masked_fill (2), the max (1), the
       shift (2), exp (2), the sum (1) and the in-place division to the softmax (2) forward; the in-place
       scaling of the saved softmax backward (2), plus its cast for a half-precision model.
+    - BERT's MLM loss is this loss over every position (its head computes logits for all tokens, as
+      Megatron's does; the loss mask keeps the masked ones), and its logged accuracy reads the logits
+      once more, forward, without autograd (loss_and_metrics): LMLoss.correct's max over the real
+      columns (1), or under tp VocabParallelLMLoss.correct's masked_fill (2) and max (1); under autocast
+      with a cast of its own to fp32 (a 2-byte read and a 4-byte write).
     A fine-tuning head has no vocabulary: 0."""
     m = cfg.model
     if getattr(m, "fine_tuning_head", False):
@@ -122,6 +127,9 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
     if cfg.trainer.precision != "fp32":  # the logits' cast to fp32 and the gradient's back: 2 + 4 bytes each way
         fwd_bytes += 6 * elements
         bwd_bytes += 6 * elements
+    if m.arch == "bert":  # the MLM accuracy
+        fwd_bytes += FP32 * elements * (3 if tp > 1 else m.vocab_size / m.padded_vocab(tp))
+        fwd_bytes += 6 * elements if cfg.trainer.precision != "fp32" else 0
     return fwd_bytes, bwd_bytes
 
 
@@ -129,8 +137,8 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 # Activation memory
 # ---------------------------------------------------------------------------------------------
 #
-# Activation memory of a GPT layout: the bytes autograd keeps for backward, per layer, per pipeline
-# stage and at a rank's peak under its schedule. Arithmetic only: nothing is built or run.
+# Activation memory of a GPT or BERT layout: the bytes autograd keeps for backward, per layer, per
+# pipeline stage and at a rank's peak under its schedule. Arithmetic only: nothing is built or run.
 #
 # The frame is Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"
 # (arXiv:2205.05198): one layer keeps s*b*h*(34 + 5*a*s/h) bytes in fp16 without parallelism (sec. 4.1,
@@ -153,6 +161,20 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 #   only the log-sum-exp, the GQA-repeated keys and values and, after RoPE, SDPA's own output; not 5as/h.
 # - packed sequences (data.packing: a mask per example, position ids) are not modeled.
 #
+# BERT (megalm.models.bert) shares GPT's Attention and MLP; where its layer and heads differ from the paper's
+# GPT layer (and from megalm's GPT):
+# - its attention is bidirectional over the keys a padding mask keeps, which SDPA takes as attn_mask: on CPU
+#   that stays on the fused (flash) kernel, which turns the bool mask into an additive one of q's dtype and
+#   keeps it, b*s elements a layer, on every tp rank (`_key_mask`; on CUDA the memory-efficient kernel, the
+#   fused one that takes a mask, keeps it too); with attention dropout on CPU the math path keeps the same
+#   as GPT's. A recomputed region keeps the bool mask among its inputs: one (b, s) a stage;
+# - post-norm (norm_position=post) moves the norms after the residual sums; each still keeps an fp32 sum
+#   and its statistics, and the qkv input becomes the layer's input: the same bytes as pre-norm. It adds
+#   a norm after the embedding (full sequence: sp splits after the embedding's norm and dropout);
+# - the embedding also reads token-type ids; the heads (`_bert_head`) are the MLM transform (dense,
+#   GELU, norm: on sequence shards under sp) before the tied output, and the pooler (token 0) with the
+#   sentence-order head; the MLM loss runs over every position, as GPT's.
+#
 # Not counted: the tensors a pipeline schedule itself holds (received inputs, a stage's output until its
 # backward, the gradients of intermediates that zero-bubble schedules keep until the weight pass),
 # transient buffers, and the working set of a recomputed layer during its backward (`recompute_transient`
@@ -161,6 +183,10 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 # kernel (input and rstd), where CPU's composite also keeps the normalized input.
 
 INT64 = 8
+_BERT_FINE_TUNING = ("BERT's fine-tuning heads (model.num_labels, num_choices, span_head) are not modelled by "
+                     "megalm.plan's activation and collective formulas, only its pretraining heads (MLM and "
+                     "sentence order): a classifier reads one pooled token a sequence and a span head every token, "
+                     "whose saved tensors, sequence-parallel gathers and loss scalars were not measured")
 
 
 @dataclass(frozen=True)
@@ -186,6 +212,10 @@ class _Shape:
     dropout: float
     attention_dropout: float
     lm_head: bool
+    bert: bool = False        # BERT's layers and heads (megalm.models.bert); the rest are GPT's
+    post_norm: bool = False   # BERT's norm_position=post: a norm after the embedding and after each residual
+    token_types: bool = False  # BERT's token-type embedding
+    binary_head: bool = False  # BERT's pooler and sentence-order head
 
     @property
     def seq(self) -> int:
@@ -204,8 +234,11 @@ class _Shape:
 def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
     from megalm.distributed.mesh import ParallelDims
     m, p, tr = cfg.model, cfg.parallel, cfg.trainer
-    if m.arch != "gpt":
-        raise ConfigError(f"activation memory is derived for the gpt family's layers; model.arch={m.arch}")
+    if m.arch not in ("gpt", "bert"):
+        raise ConfigError(f"activation memory is derived for the gpt and bert families' layers; model.arch={m.arch}")
+    bert = m.arch == "bert"
+    if bert and m.fine_tuning_head:
+        raise ConfigError(_BERT_FINE_TUNING)
     if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"activation memory is derived for transformer_impl=local in fp32 / bf16 / fp16; got "
                           f"model.transformer_impl={m.transformer_impl}, trainer.precision={tr.precision}")
@@ -219,9 +252,11 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   a=m.num_attention_heads, kv=m.kv_heads * m.head_dim, groups=m.num_attention_heads // m.kv_heads,
                   f=m.ffn_size, vocab=m.padded_vocab(dims.tp), t=dims.tp, sp=p.sequence_parallel and dims.tp > 1,
                   e=FP32 if tr.precision == "fp32" else 2, autocast=tr.precision != "fp32", cpu=device == "cpu",
-                  rope=m.position_embedding == "rope", swiglu=m.activation == "swiglu",
+                  rope=getattr(m, "position_embedding", "learned") == "rope", swiglu=m.activation == "swiglu",
                   rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
-                  attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False))
+                  attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False),
+                  bert=bert, post_norm=bert and m.norm_position == "post", token_types=bert and m.num_tokentypes > 0,
+                  binary_head=bert and m.binary_head)
 
 
 def _norm(d: _Shape) -> float:
@@ -229,8 +264,7 @@ def _norm(d: _Shape) -> float:
 
     LayerNorm's kernel keeps its input and the fp32 mean and rstd; RMSNorm keeps its input and rstd, and
     on CPU (torch's composite x * rsqrt(mean(x^2) + eps) * w) also the normalized x its weight multiplies."""
-    kept = d.h * FP32 + (FP32 if d.rmsnorm else 2 * FP32) + (d.h * FP32 if d.rmsnorm and d.cpu else 0)
-    return kept / d.seq
+    return _norm_kept(d, FP32) / d.seq
 
 
 def _attention_core(d: _Shape, selective: bool) -> float:
@@ -266,6 +300,19 @@ def _mlp(d: _Shape) -> float:
     return (4 if d.swiglu else 2) * d.f * d.e / d.t
 
 
+def _norm_kept(d: _Shape, element: int) -> float:
+    """A norm's saves per token over an input of `element` bytes (see `_norm`), not divided by sp."""
+    return d.h * element + (FP32 if d.rmsnorm else 2 * FP32) + (d.h * element if d.rmsnorm and d.cpu else 0)
+
+
+def _key_mask(d: _Shape) -> float:
+    """BERT's padding mask in each layer's attention, per token: fused SDPA turns the (B, 1, 1, T) bool key
+    mask into an additive mask of q's dtype and keeps it (one element a token, e bytes); the math path
+    (CPU, attention dropout) adds it to the scores and keeps none. Not divided by tp or sp: every rank masks
+    the same keys. Korthikanti et al.'s layer (GPT's causal mask) has no such term."""
+    return d.e if d.bert and d.fused_attention else 0.0
+
+
 def _hidden_dropout(d: _Shape) -> float:
     """The dropout after each row-parallel linear (attention output, MLP output), on the sequence shard
     under sp. Its input is the compute dtype, or fp32 when tp's row-parallel bias is added after autocast."""
@@ -280,11 +327,14 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
 
     `recompute` overrides parallel.recompute (none | selective | full); `device` (cpu | cuda) defaults to
     trainer.device (auto: cuda). Per token, times s*b:
-    - norms: the two pre-norms (see `_norm`), / t under sequence parallelism;
+    - norms: the two pre-norms (see `_norm`), / t under sequence parallelism; BERT's post-norms (norm1 after
+      the attention's residual, norm2 after the MLP's) keep the same: an fp32 residual sum and its statistics;
     - linear_inputs: the inputs of qkv and fc1, h each in the compute dtype: the norm's output (a copy under
-      autocast), never sharded (tp: a view behind Megatron's f; sp: the all-gathered sequence);
-    - attention: `_attention_core`; mlp: `_mlp`; dropout: `_hidden_dropout`;
-    - full recomputation: only the block input the checkpoint saves, h fp32 (/ t under sp).
+      autocast), never sharded (tp: a view behind Megatron's f; sp: the all-gathered sequence); under
+      post-norm the qkv input is the layer's input (the previous norm2's output, or the embedding's);
+    - attention: `_attention_core`; key_mask: `_key_mask` (BERT); mlp: `_mlp`; dropout: `_hidden_dropout`;
+    - full recomputation: only the block input the checkpoint saves, h fp32 (/ t under sp); BERT's key mask,
+      its other input, is one bool tensor a stage shares (`stage_activation_bytes`).
     """
     d = _shape(cfg, world, device)
     mode = cfg.parallel.recompute if recompute is None else recompute
@@ -294,7 +344,8 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
     if mode not in ("none", "selective"):
         raise ConfigError(f"recompute={mode} is not one of none, selective, full")
     return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e,
-            "attention": tokens * _attention_core(d, mode == "selective"), "mlp": tokens * _mlp(d),
+            "attention": tokens * _attention_core(d, mode == "selective"),
+            "key_mask": tokens * (_key_mask(d) if mode == "none" else 0.0), "mlp": tokens * _mlp(d),
             "dropout": tokens * _hidden_dropout(d)}
 
 
@@ -314,11 +365,19 @@ def embedding_bytes(cfg, world: int, device: Optional[str] = None) -> int:
     reads a view of the step's joined batch, counted once by `stage_activation_bytes`), the learned
     positions' ids (s int64), and with dropout its mask on the fp32 embedding, on the sequence shard when
     sp scatters first (RoPE models reduce-scatter the lookup; learned positions are added before the
-    scatter)."""
+    scatter).
+
+    BERT adds its token-type ids (int64, read by a replicated lookup at any tp: a view of the joined batch
+    under pp, counted there) and, under post-norm, the embedding's norm (fp32 input and statistics); its
+    norm and dropout run on the whole sequence, which sp splits after them."""
     d = _shape(cfg, world, device)
     tokens = d.s * d.b
     ids = INT64 + 1 if d.t > 1 else (0 if cfg.parallel.pp > 1 else INT64)
+    if d.token_types:
+        ids += 0 if cfg.parallel.pp > 1 else INT64
     kept = tokens * ids + (0 if d.rope else d.s * INT64)
+    if d.post_norm:
+        kept += tokens * _norm_kept(d, FP32)
     if d.dropout > 0:
         kept += tokens * d.h * d.mask(FP32) / (d.seq if d.rope else 1)
     return round(kept)
@@ -329,30 +388,58 @@ def logits_and_loss_bytes(cfg, world: int, device: Optional[str] = None) -> int:
 
     Without tp, F.cross_entropy keeps its fp32 log-softmax (padded vocabulary V) and the int64 targets;
     with tp, the vocabulary-parallel loss keeps its fp32 softmax of V/t columns, the local target ids
-    and two bool masks. The masked mean keeps the fp32 loss mask. The logits themselves are not kept.
+    and two bool masks per token, and one bool a column (its real, unpadded columns). The masked mean
+    keeps the fp32 loss mask. The logits themselves are not kept. Left out: the losses' 4-byte scalars.
     A fine-tuning head (classifier, multiple choice) keeps almost nothing per token: 0."""
     d = _shape(cfg, world, device)
     if not d.lm_head:
         return 0
     per_token = FP32 * d.vocab / d.t + INT64 + FP32 + (2 if d.t > 1 else 0)
-    return round(d.s * d.b * per_token)
+    return round(d.s * d.b * per_token + (d.vocab / d.t if d.t > 1 else 0))
 
 
 def head_bytes(cfg, world: int, device: Optional[str] = None) -> int:
     """The last stage's final norm (`_norm`) and the head's input (h in the compute dtype, full sequence:
-    a view behind f under tp, gathered under sp), for one micro-batch; without the loss buffers."""
+    a view behind f under tp, gathered under sp), for one micro-batch; without the loss buffers.
+    BERT's heads (`_bert_head`) in place of GPT's."""
     d = _shape(cfg, world, device)
+    if d.bert:
+        return round(_bert_head(d))
     return round(d.s * d.b * (_norm(d) + d.h * d.e))
+
+
+def _bert_head(d: _Shape) -> float:
+    """What BERT's last stage keeps after its layers, for one micro-batch (megalm.models.bert), by tensor:
+    - pre-norm's final norm (`_norm`); post-norm has none;
+    - the MLM transform, on sequence shards under sp: dense's input (the final norm's or the last layer's
+      output, a copy under autocast, h e), GELU's input (dense's output, h e) and the norm's input (GELU's
+      output: h e on CPU, where autocast leaves layer_norm in bf16; CUDA's autocast runs it in fp32, a copy
+      of h fp32) with its statistics;
+    - the tied output's input (the norm's output, or its copy, h e), whole sequence as GPT's head;
+    - with the binary head, per sequence: tanh's output (the pooled h, also the binary head's input) and,
+      under autocast, the pooler's copy of token 0 (h); in fp32 the pooler's input is a view of a tensor
+      already kept, except under sp, where it views the whole gathered (s, h) fp32 sequence and keeps it
+      alive; the sentence-order loss's fp32 log-softmax of 2 and int64 target.
+    Korthikanti et al. count the layers only; Megatron's BERT has the same heads."""
+    tokens, seqs, h, e = d.s * d.b, d.b, d.h, d.e
+    norm_in = e if d.autocast and d.cpu else FP32
+    kept = tokens * ((0 if d.post_norm else _norm(d)) + (2 * h * e + _norm_kept(d, norm_in)) / d.seq + h * e)
+    if d.binary_head:
+        kept += seqs * (h * e + (h * 2 if d.autocast else 0) + (d.s * h * FP32 if d.sp and not d.autocast else 0))
+        kept += seqs * (2 * FP32 + INT64)
+    return kept
 
 
 def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
     """Under autocast each linear keeps the half-precision copy of its weight it multiplied with: qkv, proj,
     fc1, fc2 of each layer that is not recomputed whole, and the head's on the last stage (/ t). Autocast
-    caches the copy for its context, so a rank holds one set however many micro-batches are in flight."""
+    caches the copy for its context, so a rank holds one set however many micro-batches are in flight.
+    BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's."""
     if not d.autocast:
         return 0
     per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + d.h * d.f * (3 if d.swiglu else 2)
-    return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t
+    replicated = (d.h * d.h + (d.h * d.h + 2 * d.h if d.binary_head else 0)) * d.e if last and d.bert else 0
+    return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t + replicated
 
 
 def schedule_actions(schedule: str, pp: int, rank: int, v: int, m: int) -> List[Tuple[str, int, int]]:
@@ -397,8 +484,9 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
     logits_and_loss (those loss buffers, 0 off the last stage), microbatches (m = global_batch /
     (micro_batch * dp)), in_flight (micro-batches alive at the peak, in whole-rank units: forwards of its
     virtual stages alive / their number), weight_copies (autocast's half-precision weights, once),
-    batch_ids (the step's token ids a pipeline's first stage keeps without tp, once), peak (the largest
-    total of saved activations during a step: the schedule's peak of per-stage bytes plus the two above),
+    batch_ids (the step's token ids a pipeline's first stage keeps without tp, and BERT's token types,
+    once), peak (the largest total of saved activations during a step: the schedule's peak of per-stage
+    bytes plus the two above),
     recompute_transient (what the backward of one recomputed layer rebuilds while it runs, on top of
     peak), per_stage (bytes of one micro-batch through each virtual stage, in this rank's order).
 
@@ -432,13 +520,18 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
         full = min(n, n_full) if p.recompute == "full" else 0
         kept_layers += n - full
         last = s == num_stages - 1
+        # BERT: a recomputed region (a layer, or the attention core) saves its inputs, the key mask among
+        # them: the stage's one bool (b, s) tensor, shared by its layers.
+        checkpointed = full if p.recompute == "full" else (n if p.recompute == "selective" else 0)
         kept.append(full * whole + (n - full) * plain + (embedding_bytes(cfg, world, device) if s == 0 else 0)
-                    + (head + loss if last else 0))
+                    + (head + loss if last else 0) + (d.b * d.s if d.bert and checkpointed else 0))
         # The zero-bubble input pass drops what no weight gradient needs: the loss buffers behind the head.
         freed_by_input.append(loss if last else 0)
     weights = _weight_copy_bytes(d, kept_layers, num_stages - 1 in stage_ids)
-    # The schedule splits the step's joined batch: without tp the embedding keeps views of its token ids.
-    batch_ids = m * d.b * d.s * INT64 if dims.pp > 1 and d.t == 1 and 0 in stage_ids else 0
+    # The schedule splits the step's joined batch: without tp the embedding keeps views of its token ids,
+    # and BERT's token-type lookup (replicated at any tp) views of its token types.
+    joined = (d.t == 1) + d.token_types
+    batch_ids = m * d.b * d.s * INT64 * joined if dims.pp > 1 and 0 in stage_ids else 0
     if dims.pp == 1:
         peak, alive = kept[0], 1
     else:
@@ -455,13 +548,14 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
 #
 # The collectives of one optimizer step and the exact model state of one rank, as formulas.
 #
-# Every count here is what megalm's code issues, term by term, for a GPT language model (the only
-# family covered yet); bytes are counted as megalm.distributed.comm.CommStats counts them: an
-# all-reduce its full tensor, an all-gather its local input, a reduce-scatter its full input, a
-# send or receive its tensor. What is structural (which layers and buckets a rank holds, the ZeRO
-# shards, padding included) is read off the meta-device model laid out over a fake process group
-# of the layout's size, by the same code a run uses (megalm.parallel.parallelize and the
-# DataParallel bucket layout); nothing is allocated. The rest is arithmetic on the config.
+# Every count here is what megalm's code issues, term by term, for a GPT language model or BERT's
+# pretraining (fine-tuning heads are not covered yet); bytes are counted as
+# megalm.distributed.comm.CommStats counts them: an all-reduce its full tensor, an all-gather its local
+# input, a reduce-scatter its full input, a send or receive its tensor. What is structural (which layers
+# and buckets a rank holds, the ZeRO shards, padding included) is read off the meta-device model laid
+# out over a fake process group of the layout's size, by the same code a run uses
+# (megalm.parallel.parallelize and the DataParallel bucket layout); nothing is allocated. The rest is
+# arithmetic on the config.
 #
 # Shapes: b = trainer.micro_batch_size, s = model.seq_length, h = model.hidden_size, m micro-batches a
 # step (global_batch_size / (b dp)), L the layers this rank runs. fp32 tensors cost 4 bytes an element;
@@ -514,9 +608,12 @@ _CACHE: Dict[tuple, RankLayout] = {}
 def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int):
     from megalm.distributed.mesh import ParallelDims
     m, p, d = cfg.model, cfg.parallel, cfg.data
-    if m.arch != "gpt" or getattr(m, "fine_tuning_head", False):
-        raise ConfigError(f"megalm.plan's collective formulas cover GPT language models; model.arch={m.arch!r}"
-                          f"{' with a fine-tuning head' if m.arch == 'gpt' else ''} is not modelled yet")
+    if m.arch == "bert" and m.fine_tuning_head:
+        raise ConfigError(_BERT_FINE_TUNING)
+    if m.arch not in ("gpt", "bert") or getattr(m, "fine_tuning_head", False):
+        raise ConfigError(f"megalm.plan's collective formulas cover GPT language models and BERT's pretraining; "
+                          f"model.arch={m.arch!r}{' with a fine-tuning head' if m.arch == 'gpt' else ''} is not "
+                          "modelled yet")
     if d.source == "sft" and d.packing:
         raise ConfigError("data.packing=true: stage boundaries then carry position and segment ids, which "
                           "megalm.plan's collective formulas do not model yet")
@@ -633,8 +730,16 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     Full recomputation (parallel/recompute.py, torch.utils.checkpoint non-reentrant) replays each
     recomputed layer's forward in backward, up to the last operation that saves a tensor for
     backward (checkpoint's early stop): the attention's g, and the MLP's g only when hidden dropout
-    is on (dropout saves its mask; with none, nothing after that g saves anything). Selective
-    recomputation replays the attention core, which communicates nothing.
+    is on (dropout saves its mask; with none, nothing after that g saves anything) or, in BERT's
+    post-norm layer, always (norm2 saves its input). Selective recomputation replays the attention
+    core, which communicates nothing.
+
+    BERT (megalm.models.bert's tp_plan) has GPT's layers and embedding (learned positions: all-reduce,
+    then the sequence split) and its vocabulary-parallel loss; its MLM head's output is column-parallel
+    (one f, as GPT's head); its MLM dense and norm run on sequence shards, and under sp the pooler, which
+    reads token 0, all-gathers the (b, s/tp, h) fp32 sequence forward (its backward keeps this rank's
+    chunk: no collective). The MLM accuracy (VocabParallelLMLoss.correct, no autograd) adds two fp32
+    (b, s) all-reduces a micro-batch through torch.distributed directly (`untracked_collectives`).
     """
     kinds: Kinds = {}
     if lay.tp == 1:
@@ -651,10 +756,11 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
         replayed = sum(k if n is None else min(n, k) for k in lay.stage_layers)
     else:
         replayed = 0
-    g_replayed = replayed * (2 if mdl.dropout > 0 else 1)
+    post_norm = mdl.arch == "bert" and mdl.norm_position == "post"
+    g_replayed = replayed * (2 if mdl.dropout > 0 or post_norm else 1)
     per_mb: Kinds = {}
     if lay.first:
-        if sp and mdl.position_embedding != "learned":
+        if sp and getattr(mdl, "position_embedding", "learned") != "learned":
             _add(per_mb, "reduce_scatter", 1, act)
         else:
             _add(per_mb, "all_reduce", 1, act)
@@ -672,6 +778,8 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
         if sp:
             _add(per_mb, "all_gather", 1, shard)
             _add(per_mb, "reduce_scatter", 1, act)
+            if mdl.arch == "bert" and mdl.binary_head:
+                _add(per_mb, "all_gather", 1, shard)  # the pooler's gather of the sequence
         else:
             _add(per_mb, "all_reduce", 1, act)
         tokens = b * s * FP32
@@ -684,25 +792,37 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     return kinds
 
 
+def boundary_messages(cfg, tp: int) -> Tuple[List[int], int]:
+    """Bytes of the tensors one micro-batch sends across a stage boundary: forward (the hidden states (b, s, h)
+    fp32, (b, s/tp, h) under sp; BERT's (b, s) int64 padding mask beside them) and backward (the hidden
+    states' gradient)."""
+    mdl, t = cfg.model, cfg.trainer
+    seq = mdl.seq_length // tp if cfg.parallel.sequence_parallel else mdl.seq_length
+    msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
+    return [msg] + ([t.micro_batch_size * mdl.seq_length * INT64] if mdl.arch == "bert" else []), msg
+
+
 def pipeline(cfg, lay: RankLayout) -> Kinds:
     """Point-to-point messages of one step (torch.distributed.pipelining; Narayanan et al.,
     arXiv:2104.04473, sec. 2.2): per micro-batch and per boundary between two stages of different
     ranks, the activation (b, s, h) fp32 forward and its gradient backward, each sent by one rank and
     received by the other; (b, s/tp, h) under sequence parallelism, where the stream between layers
     is split by sequence. Every schedule sends the same messages, only in another order; a boundary
-    between two stages of one rank (ZBV's turn of the V) is handed over in memory."""
+    between two stages of one rank (ZBV's turn of the V) is handed over in memory.
+
+    BERT's stages pass (hidden, padding mask): forward also the (b, s) int64 mask (whole sequence at any
+    tp), backward only the hidden states' gradient (the mask has none)."""
     kinds: Kinds = {}
     if lay.pp == 1:
         return kinds
-    mdl, t = cfg.model, cfg.trainer
-    seq = mdl.seq_length // lay.tp if cfg.parallel.sequence_parallel else mdl.seq_length
-    msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
-    crossings = sum((s > 0 and lay.owner[s - 1] != lay.pp_rank) + (s < len(lay.owner) - 1 and lay.owner[s + 1] != lay.pp_rank)
-                    for s in lay.stage_ids)
+    forward, msg = boundary_messages(cfg, lay.tp)
+    last = len(lay.owner) - 1
+    inward = sum(s > 0 and lay.owner[s - 1] != lay.pp_rank for s in lay.stage_ids)  # from another rank's stage
+    outward = sum(s < last and lay.owner[s + 1] != lay.pp_rank for s in lay.stage_ids)
     m = microbatches(cfg, lay.dp)
-    # each crossing: one direction sends forward and receives backward, the other the reverse
-    _add(kinds, "send", m * crossings, m * crossings * msg)
-    _add(kinds, "recv", m * crossings, m * crossings * msg)
+    # a boundary's upstream rank sends forward and receives the gradient; its downstream rank the reverse
+    _add(kinds, "send", m * (outward * len(forward) + inward), m * (outward * sum(forward) + inward * msg))
+    _add(kinds, "recv", m * (inward * len(forward) + outward), m * (inward * sum(forward) + outward * msg))
     return kinds
 
 
@@ -742,19 +862,44 @@ def embedding(cfg, lay: RankLayout) -> Kinds:
     return kinds
 
 
+def model_metrics(cfg) -> int:
+    """Values the model logs beside its loss (its `metric_names`): BERT's pretraining heads lm_loss and
+    mlm_acc, and with the binary head sop_loss and sop_acc; a GPT language model none."""
+    m = cfg.model
+    return (2 + 2 * bool(m.binary_head)) if m.arch == "bert" else 0
+
+
+def _untracked(cfg, lay: RankLayout) -> Collectives:
+    """`untracked_collectives` by purpose: "other", and BERT's accuracy over tp under "tp"."""
+    k = model_metrics(cfg)
+    out: Collectives = {"tp": {}, "other": {}}
+    if lay.pp > 1:
+        _add(out["other"], "broadcast", 1, (1 + k) * FP32)
+    if lay.dp > 1:
+        _add(out["other"], "all_reduce", 1, FP32)
+        _add(out["other"], "all_reduce", 1 if k else 0, k * FP32)
+    if cfg.trainer.precision == "fp16" and lay.tp * lay.pp * lay.dp > 1:
+        _add(out["other"], "all_reduce", 1, FP32)
+    if cfg.model.arch == "bert" and lay.tp > 1 and lay.last:
+        m = microbatches(cfg, lay.dp)
+        tokens = cfg.trainer.micro_batch_size * cfg.model.seq_length
+        _add(out["tp"], "all_reduce", 2 * m, 2 * m * tokens * FP32)
+    return out
+
+
 def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Kinds:
-    """The part of "other" issued through torch.distributed directly, which count_comm does not see:
-    the pipeline's mean loss broadcast from the last stage (Pipeline._share, one fp32), the logged
-    loss averaged over dp (trainer: grads.mean_over, one fp32) and under fp16 the overflow vote over
-    every rank (DynamicLossScaler, one fp32)."""
+    """The collectives issued through torch.distributed directly, which count_comm does not see: the
+    pipeline's mean loss broadcast from the last stage (Pipeline._share: one fp32, and one for each of
+    the model's metrics, `model_metrics`), the logged loss averaged over dp (trainer: grads.mean_over,
+    one fp32) and the metrics in another all-reduce, under fp16 the overflow vote over every rank
+    (DynamicLossScaler, one fp32); and BERT's MLM accuracy under tp (VocabParallelLMLoss.correct: the
+    largest logit's max and the label's logit summed over tp, (b, s) fp32 each, a micro-batch). In
+    step_collectives they count under "tp" (the accuracy) and "other" (the rest)."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
     kinds: Kinds = {}
-    if lay.pp > 1:
-        _add(kinds, "broadcast", 1, FP32)
-    if lay.dp > 1:
-        _add(kinds, "all_reduce", 1, FP32)
-    if cfg.trainer.precision == "fp16" and world > 1:
-        _add(kinds, "all_reduce", 1, FP32)
+    for entries in _untracked(cfg, lay).values():
+        for kind, e in entries.items():
+            _add(kinds, kind, e["calls"], e["bytes"])
     return kinds
 
 
@@ -781,8 +926,9 @@ def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int =
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
     out = {"tp": tensor_parallel(cfg, lay), "pp": pipeline(cfg, lay), "dp": data_parallel(cfg, lay),
            "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
-    for kind, e in untracked_collectives(cfg, world, pp_rank, tp_rank, dp_rank).items():
-        _add(out["other"], kind, e["calls"], e["bytes"])
+    for purpose, entries in _untracked(cfg, lay).items():
+        for kind, e in entries.items():
+            _add(out[purpose], kind, e["calls"], e["bytes"])
     return out
 
 
@@ -1164,8 +1310,9 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       (by FLOPs) of the rank's tensor-parallel collectives, which wait on the compute (Megatron's layers
       issue them between dependent matmuls, nothing to overlap them with); the last stage adds the
       loss's memory traffic over cluster.memory_bandwidth (`loss_traffic_bytes`);
-    - activations cross pipeline ranks as point-to-point sends (their size from `comm`), over NVLink or
-      the network by where the two ranks sit;
+    - activations cross pipeline ranks as point-to-point sends (`boundary_messages`: forward the
+      activations, and BERT's padding mask; backward their gradient), over NVLink or the network by where
+      the two ranks sit;
     - `simulate` runs the schedule's order with these times: the step's pipeline part and each rank's
       bubble;
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
@@ -1217,13 +1364,14 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
         loss = traffic if s == S - 1 else (0.0, 0.0)
         return action_seconds(w, kind, rate, loss, c.memory_bandwidth) + flops * tp_share[owner[s]]
 
-    def transfer(a: int, b: int) -> float:
-        send = comm[owner[a]].get("pp", {}).get("send")
-        if not send or not send["calls"]:
+    forward_msgs, backward_msg = boundary_messages(cfg, dims.tp)
+
+    def transfer(a: int, b: int) -> float:  # from stage a to stage b: forward when a < b
+        if dims.pp == 1:
             return 0.0
         pair = [rank_of(owner[a]), rank_of(owner[b])]
         bw, lat = link(c, pair)
-        return lat + send["bytes"] / send["calls"] / bw
+        return lat + (sum(forward_msgs) if a < b else backward_msg) / bw
 
     order = schedule_order(p.pipeline_schedule, dims.pp, S // dims.pp, m) if dims.pp > 1 else \
         {0: [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]}
