@@ -1,6 +1,6 @@
 """Training throughput of megalm's GPT against Hugging Face GPT2LMHeadModel of the same shape.
 
-Both models train in one process, fp32, with AdamW (foreach), on the same synthetic batches,
+Both models train in one process, fp32, with AdamW (the same torch kernel, --optimizer), on the same synthetic batches,
 starting from the same weights. On a noisy shared machine a single timing says little, so:
 warm-up steps first, then the two models alternate in rounds (megalm first in even rounds, HF
 first in odd ones, so a slow drift hits both alike), and the table reports the median of the
@@ -32,7 +32,7 @@ from megalm.config import ModelConfig, OptimizerConfig, conf_dir, model_config_f
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
 from megalm.training.compiling import apply_compile
 from megalm.training.metrics import measure_matmul_peak
-from megalm.training.optim import build_optimizer, param_groups
+from megalm.training.optim import build_optimizer, kernel_options, param_groups
 
 # The GPT-2 architecture is all HF's GPT2LMHeadModel can express, so it is forced on the preset.
 GPT2_ARCH = dict(position_embedding="learned", normalization="layernorm", activation="gelu", bias=True,
@@ -56,6 +56,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch intra-op threads")
     p.add_argument("--peak-seconds", type=float, default=0.3, help="length of each round's matmul-peak measurement")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batches")
+    p.add_argument("--optimizer", default=OptimizerConfig.implementation, choices=("fused", "foreach", "for_loop"),
+                   help="torch.optim AdamW kernel, for both models (optimizer.implementation)")
     p.add_argument("--modes", default="eager",
                    help="comma-separated: eager, compiled (torch.compile of the whole model, megalm's "
                         "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
@@ -142,7 +144,7 @@ def main(argv=None) -> dict:
         logit_diff = (mega(x) - hf(input_ids=x).logits).abs().max().item()
     assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
 
-    opt_cfg = OptimizerConfig()
+    opt_cfg = OptimizerConfig(implementation=args.optimizer)
     runs = {}
     for mode in args.modes:
         m_model, h_model = (mega, hf) if mode == args.modes[0] else (copy.deepcopy(mega), copy.deepcopy(hf))
@@ -156,7 +158,8 @@ def main(argv=None) -> dict:
                                   lambda x, y, m=m_model: m(x, labels=y), amp)
         # Plain torch AdamW for HF, with the same settings and the same decay / no-decay split.
         runs[f"hf/{mode}"] = (h_model, torch.optim.AdamW(param_groups(h_model, opt_cfg.weight_decay), lr=opt_cfg.lr,
-                                                         betas=tuple(opt_cfg.betas), eps=opt_cfg.eps, foreach=True),
+                                                         betas=tuple(opt_cfg.betas), eps=opt_cfg.eps,
+                                                         **kernel_options(opt_cfg.implementation)),
                               lambda x, y, m=h_model: lm_loss(m(input_ids=x).logits, y), amp)
     state = {name: {"step": 0, "loss": float("nan"), "rounds": [], "warmup_s": 0.0} for name in runs}
 

@@ -41,6 +41,50 @@ def test_decoupled_weight_decay_leaves_norms_alone(tiny_model_cfg):
     torch.testing.assert_close(model.blocks["0"].mlp.fc1.weight, before_w * (1 - 0.1 * 0.5))
 
 
+def _adamw_by_hand(params, grads_per_step, lr, betas, eps, weight_decay):
+    """AdamW (arXiv:1711.05101, algorithm 2 with bias correction), written out: the reference every kernel must meet."""
+    b1, b2 = betas
+    params = [p.detach().clone().double() for p in params]
+    m = [torch.zeros_like(p) for p in params]
+    v = [torch.zeros_like(p) for p in params]
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            g = g.double()
+            p.mul_(1 - lr * weight_decay[i])
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            p.sub_(lr * (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps))
+    return params
+
+
+@pytest.mark.parametrize("implementation", ["fused", "foreach", "for_loop"])
+def test_every_optimizer_kernel_computes_adamw(tiny_model_cfg, implementation):
+    model = build_model(tiny_model_cfg)
+    init_weights(model, tiny_model_cfg, 0)
+    cfg = OptimizerConfig(lr=0.01, weight_decay=0.1, implementation=implementation)
+    opt = build_optimizer(cfg, model)
+    expected_kernel = {"fused": ("fused", True), "foreach": ("foreach", True), "for_loop": ("foreach", False)}
+    key, value = expected_kernel[implementation]
+    assert opt.defaults[key] is value
+    params = [p for g in opt.param_groups for p in g["params"]]
+    decay = [g["weight_decay"] for g in opt.param_groups for _ in g["params"]]
+    gen = torch.Generator().manual_seed(0)
+    steps = [[torch.randn(p.shape, generator=gen) for p in params] for _ in range(4)]
+    want = _adamw_by_hand(params, steps, cfg.lr, cfg.betas, cfg.eps, decay)
+    for grads in steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.detach().double(), w, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_optimizer_implementation_is_refused(tiny_model_cfg):
+    from megalm.errors import ConfigError
+    with pytest.raises(ConfigError, match="optimizer.implementation='apex' is not one of fused, foreach, for_loop"):
+        build_optimizer(OptimizerConfig(implementation="apex"), build_model(tiny_model_cfg))
+
+
 @pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
 def test_lr_schedule_shape(decay):
     cfg = OptimizerConfig(lr=1.0, min_lr=0.1, warmup_steps=10, decay=decay)

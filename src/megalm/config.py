@@ -138,6 +138,9 @@ class OptimizerConfig:
     """cosine | linear | constant (after warmup)."""
     decay_steps: Optional[int] = None
     """Step at which decay reaches min_lr; None = trainer.max_steps."""
+    implementation: str = "fused"
+    """fused | foreach | for_loop: torch.optim's kernel for the update. fused (one kernel over all tensors,
+    on CPU and CUDA) is the fastest; the three compute the same update up to rounding."""
 
 
 @dataclass

@@ -24,6 +24,7 @@ CHOICES = {
     "parallel.recompute": ("none", "selective", "full"),
     "optimizer.name": ("adamw", "sgd"),
     "optimizer.decay": ("cosine", "linear", "constant"),
+    "optimizer.implementation": ("fused", "foreach", "for_loop"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.compile": ("none", "model", "blocks"),
