@@ -265,6 +265,63 @@ def test_dp_sharding_covers_each_global_batch(dp):
         MicroBatchLoader(Identity(), micro_batch_size=2, global_batch_size=12, dp_size=4)
 
 
+class Watched:
+    """Identity's samples, recording which thread read each index; `wanted` is set once index `watch` is read."""
+
+    def __init__(self, length=10 ** 6, watch=None):
+        import threading
+        self.length, self.watch, self.threads, self.wanted = length, watch, {}, threading.Event()
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, i):
+        import threading
+        self.threads[i] = threading.current_thread().name
+        if i == self.watch:
+            self.wanted.set()
+        return np.full(3, i, dtype=np.int64)
+
+
+def test_prefetcher_builds_ahead_in_loader_order_and_resumes_exactly():
+    from megalm.data.loader import Prefetcher
+    kw = dict(micro_batch_size=2, global_batch_size=8, dp_rank=1, dp_size=2)
+    plain = MicroBatchLoader(Identity(), **kw)
+    expected = [plain.next_batch()[0][:, 0].tolist() for _ in range(6)]
+    data = Watched(watch=3 * 8 + 2)  # this rank's first sample of the 4th global batch
+    loader = Prefetcher(MicroBatchLoader(data, **kw), depth=2)
+    got = [loader.next_batch()[0][:, 0].tolist() for _ in range(2)]
+    assert loader.consumed_samples == 16  # what was handed out, not what was built ahead
+    # While the step holds batch 2, batches 3 and 4 are built in the background, unasked.
+    assert data.wanted.wait(timeout=120), "the prefetcher did not build the batches after the one handed out"
+    assert set(data.threads.values()) == {"megalm-prefetch"}  # every sample was read in the background
+    assert loader.consumed_samples == 16
+    # A resume at the state a checkpoint would hold drops what was built ahead and continues exactly.
+    resumed = Prefetcher(MicroBatchLoader(Identity(), **kw), depth=3)
+    resumed.consumed_samples = loader.consumed_samples
+    got += [resumed.next_batch()[0][:, 0].tolist() for _ in range(4)]
+    assert got == expected
+    resumed.consumed_samples = 8  # set again mid-run: from global batch 1 on
+    assert resumed.next_batch()[0][:, 0].tolist() == expected[1]
+    loader.close(), resumed.close()
+
+
+def test_prefetcher_raises_running_out_where_the_loader_would():
+    from megalm.data.loader import DataExhaustedError, Prefetcher
+    kw = dict(micro_batch_size=2, global_batch_size=4)
+    plain, ahead = MicroBatchLoader(Watched(length=10), **kw), Prefetcher(MicroBatchLoader(Watched(length=10), **kw), 3)
+    for _ in range(2):  # samples 0-7; the third batch would need 8-11 of 10
+        assert [torch.equal(a, b) for a, b in zip(plain.next_batch(), ahead.next_batch())] == [True, True]
+    for loader in (plain, ahead):
+        with pytest.raises(DataExhaustedError, match="built for 10 samples.*needs samples 8..11"):
+            loader.next_batch()
+        assert loader.consumed_samples == 8
+    with pytest.raises(DataExhaustedError):  # still the same batch, not a hang
+        ahead.next_batch()
+    with pytest.raises(ValueError, match="data.prefetch=0"):
+        Prefetcher(plain, 0)
+
+
 def test_mock_source_is_deterministic(tmp_path):
     cfg = DataConfig(source="mock", cache_dir=str(tmp_path), tokenizer=TokenizerConfig(vocab_size=300))
     a = build_data(cfg, seq_length=16, seed=7)

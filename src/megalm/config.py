@@ -257,6 +257,9 @@ class DataConfig:
     """sft: how each chat message is written; the loss is on assistant messages' {content} and what follows it."""
     check_vocab: bool = True
     """Scan each .bin once (result cached) for token ids outside the tokenizer's vocabulary."""
+    prefetch: int = 2
+    """Global batches prepared ahead in a background thread while the step computes (on CUDA in pinned memory, copied
+    to the device without blocking); 0: each step builds its batch itself."""
 
 
 @dataclass

@@ -77,6 +77,7 @@ def validate(cfg: Config, world_size: int) -> None:
         "trainer.num_threads": t.num_threads, "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "cluster.max_restarts": cfg.cluster.max_restarts,
         "data.max_corpus_mb": cfg.data.max_corpus_mb, "trainer.max_consecutive_skips": t.max_consecutive_skips,
+        "data.prefetch": cfg.data.prefetch,
     }
     for key, value in non_negative.items():
         if value < 0:

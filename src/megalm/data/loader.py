@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import queue
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -458,5 +460,85 @@ class MicroBatchLoader:
             yield self.next_batch()
 
 
-__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "blend_spec", "build_data", "build_data_tokenizer",
+def _pinned(batch: Union[torch.Tensor, Dict[str, torch.Tensor]]) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
+    if isinstance(batch, dict):
+        return {k: v.pin_memory() for k, v in batch.items()}
+    return batch.pin_memory()
+
+
+class Prefetcher:
+    """A MicroBatchLoader whose next global batches (`depth` of them) are built in a background thread while
+    the step computes, in the loader's order; with `pin`, in pinned memory, so the copy to a CUDA device
+    does not block. `consumed_samples` counts the batches handed out, not those built ahead, so a
+    checkpoint resumes where training was; setting it (a resume) drops what was built ahead.
+
+    A thread, not worker processes: building a batch is index lookups into memory-mapped arrays and numpy
+    copies, which release the GIL, and one process keeps the loader's position exact without sharing it.
+    An error while building a batch (the data running out) is raised by the `next_batch` that would have
+    returned that batch."""
+
+    def __init__(self, loader: MicroBatchLoader, depth: int, pin: bool = False):
+        if depth < 1:
+            raise DataError(f"data.prefetch={depth}: a prefetcher holds at least 1 batch (0: use the loader itself)")
+        self.loader, self.depth, self.pin = loader, depth, pin
+        self._consumed = loader.consumed_samples
+        self._thread: Optional[threading.Thread] = None
+
+    @property
+    def consumed_samples(self) -> int:
+        return self._consumed
+
+    @consumed_samples.setter
+    def consumed_samples(self, value: int) -> None:
+        self.close()
+        self._consumed = value
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.loader.num_micro_batches
+
+    def next_batch(self) -> List[Union[torch.Tensor, Dict[str, torch.Tensor]]]:
+        """The loader's next global batch (see MicroBatchLoader.next_batch), built ahead."""
+        if self._thread is None:
+            self._start()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()  # the thread has stopped; a later call starts again from the batch that failed
+            raise item
+        batches, self._consumed = item
+        return batches
+
+    def _start(self) -> None:
+        self.loader.consumed_samples = self._consumed
+        self._queue: queue.Queue = queue.Queue(self.depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._build, args=(self._queue, self._stop), daemon=True,
+                                        name="megalm-prefetch")
+        self._thread.start()
+
+    def _build(self, out: queue.Queue, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                batches = self.loader.next_batch()
+                item: Any = ([_pinned(b) for b in batches] if self.pin else batches, self.loader.consumed_samples)
+            except BaseException as e:  # handed to the consumer, raised where that batch was due
+                item = e
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+
+    def close(self) -> None:
+        """Stop the background thread and drop the batches it built ahead."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+
+
+__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "Prefetcher", "blend_spec", "build_data", "build_data_tokenizer",
            "load_tokenizer", "num_samples_for", "split_documents", "tokenize_corpus"]

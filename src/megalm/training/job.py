@@ -95,7 +95,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
         checkpointer=checkpointer, mesh=mesh, layout=layout, pipeline=pipeline, data_parallel=data_parallel,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
-        is_rank0=rank == 0, run_dir=run_dir)
+        is_rank0=rank == 0, run_dir=run_dir, prefetch=cfg.data.prefetch)
     if start.path is not None:
         trainer.load(start.path, weights_only=start.weights_only, metadata=start.metadata)
     # The start is accepted: only now does the run directory change.

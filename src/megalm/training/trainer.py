@@ -38,11 +38,14 @@ class Trainer:
     def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, throughput: Throughput,
                  device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, layout=None,
-                 pipeline=None, data_parallel=None, is_rank0: bool = True, run_dir: Optional[Path] = None):
+                 pipeline=None, data_parallel=None, is_rank0: bool = True, run_dir: Optional[Path] = None,
+                 prefetch: int = 0):
         """`metrics` may be set later (before fit): the run writes nothing until a resume is accepted.
         `layout`: what megalm.parallel.parallelize returned for this rank. `run_dir`: where profiled
-        steps' traces go (trainer.profile_steps)."""
+        steps' traces go (trainer.profile_steps). `prefetch` (data.prefetch): training batches built
+        ahead in a background thread (megalm.data.loader.Prefetcher); 0: in the step."""
         from megalm.data import MicroBatchLoader
+        from megalm.data.loader import Prefetcher
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
         self.device, self.is_rank0, self.mesh, self.layout, self.pipeline = device, is_rank0, mesh, layout, pipeline
@@ -64,6 +67,8 @@ class Trainer:
         self.step = 0
         self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
                                        global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
+        if prefetch > 0:
+            self.loader = Prefetcher(self.loader, prefetch, pin=device.type == "cuda")
         self.val_loss: Optional[float] = None
         self.val_metrics: Dict[str, float] = {}
         self.scaler = None
@@ -288,6 +293,8 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            if hasattr(self.loader, "close"):
+                self.loader.close()  # the prefetching thread, and the batches it built ahead
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
