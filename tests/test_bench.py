@@ -26,3 +26,54 @@ def test_bench_smoke(tmp_path):
     assert out["params"]["megalm"] == out["params"]["hf"] > 0
     assert out["initial_logit_max_abs_diff"] < 1e-3
     assert out["ratio"] > 0 and "paired_ratio" in out
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(f"megalm_{name}", BENCH.parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_compare_runs_sets_curves_side_by_side(tmp_path, capsys):
+    for name, losses, vals in (("fp32", [6.0, 5.0, 4.0, 3.0], (8.0, 4.5, 4.0)), ("bf16", [6.2, 5.2, 4.2, 3.2], (8.0, 4.6, 4.1))):
+        (tmp_path / name).mkdir()
+        rows = [{"step": 0, "val_loss": vals[0]}]
+        for step, loss in zip((5, 10, 15, 20), losses):
+            rows.append({"step": step, "loss": loss, "tokens_per_s": 100.0 * step})
+            if step in (10, 20):
+                rows.append({"step": step, "val_loss": vals[step // 10]})
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "cmp.json"
+    _script("compare_runs").main([str(tmp_path / "fp32"), str(tmp_path / "bf16"), "--json", str(out)])
+    table = json.loads(out.read_text())
+    assert table["last_step"] == 20
+    # steps 15 and 20 make the last interval: (3.2 + 4.2) / 2 for bf16; 4.1 / 4.0 - 1 against fp32
+    assert abs(table["curves"]["bf16"]["20"]["train_loss"] - 3.7) < 1e-9
+    assert table["curves"]["bf16"]["0"]["train_loss"] is None
+    assert abs(table["summary"]["bf16"]["relative_to_first"] - 0.025) < 1e-9
+    assert table["summary"]["fp32"]["relative_to_first"] == 0.0
+    assert "+2.50% against fp32" in capsys.readouterr().out
+
+
+def test_bench_optimizer_and_bench_input_smoke(tmp_path):
+    _script("bench_optimizer").main(["--model", "gpt_tiny", "--steps", "1", "--rounds", "1",
+                                     "--json", str(tmp_path / "opt.json")])
+    opt = json.loads((tmp_path / "opt.json").read_text())
+    assert set(opt["ms_per_step"]) == {"fused", "foreach", "for_loop"} and opt["ratio_to_fused"]["fused"] == 1.0
+    _script("bench_input").main(["model=gpt_tiny", "data=mock", f"trainer.num_threads={torch.get_num_threads()}",
+                                 "--steps", "2", "--rounds", "1", "--warmup", "1", "--json", str(tmp_path / "in.json")])
+    got = json.loads((tmp_path / "in.json").read_text())
+    assert got["prefetch"] == 2 and got["prefetch_time_data_s"] >= 0 and got["plain_steps_per_s"] > 0
+
+
+def test_gpu_check_does_nothing_without_a_cuda_device(tmp_path):
+    import subprocess
+    import sys
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("a CUDA device is here: the script would measure for minutes")
+    done = subprocess.run(["bash", str(BENCH.parent / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert done.returncode == 0, done.stderr
+    assert "no CUDA device here" in done.stdout and not (tmp_path / "out").exists()
