@@ -58,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batches")
     p.add_argument("--optimizer", default=OptimizerConfig.implementation, choices=("fused", "foreach", "for_loop"),
                    help="torch.optim AdamW kernel, for both models (optimizer.implementation)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after the rounds, profile this many steps of each megalm run (torch.profiler): the "
+                        "share of self CPU time in matmuls and the ops that take the most")
     p.add_argument("--modes", default="eager",
                    help="comma-separated: eager, compiled (torch.compile of the whole model, megalm's "
                         "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
@@ -190,6 +193,9 @@ def main(argv=None) -> dict:
         for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             state[name]["rounds"].append(args.steps * B * T / train(name, args.steps))
 
+    profiles = {name: profile_steps(lambda: train(name, args.profile), args.profile)
+                for name in runs if args.profile and name.startswith("megalm/")}
+
     fpt = flops_per_token(cfg)
     results = {}
     for name, s in state.items():
@@ -226,11 +232,27 @@ def main(argv=None) -> dict:
            "rounds_peak_tflops": [p / 1e12 for p in peaks],
            "initial_logit_max_abs_diff": logit_diff, "results": results, "paired_ratios": ratios,
            "ratio": results[f"megalm/{first}"]["tokens_per_s"] / results[f"hf/{first}"]["tokens_per_s"],
-           "paired_ratio": ratios[f"megalm/{first} : hf/{first}"]}
+           "paired_ratio": ratios[f"megalm/{first} : hf/{first}"], "profiles": profiles}
     print_table(out)
     if args.json:
         args.json.write_text(json.dumps(out, indent=2) + "\n")
     return out
+
+
+MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
+
+
+def profile_steps(run, steps: int, top: int = 8) -> dict:
+    """Self CPU time per op over `steps` steps of `run`: each op's milliseconds and calls a step, the top ones."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    events = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+    total = sum(e.self_cpu_time_total for e in events)
+    ops = sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]
+    return {"self_cpu_ms_per_step": total / 1e3 / steps,
+            "matmul_share": sum(e.self_cpu_time_total for e in events if e.key in MATMULS) / total,
+            "top": [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "share": e.self_cpu_time_total / total,
+                     "calls_per_step": e.count / steps} for e in ops]}
 
 
 def print_table(out: dict) -> None:
@@ -253,6 +275,10 @@ def print_table(out: dict) -> None:
     print("paired ratios (median over rounds of the ratio within a round):")
     for name, ratio in out["paired_ratios"].items():
         print(f"  {name:<44} {ratio:.3f}")
+    for name, prof in out.get("profiles", {}).items():
+        print(f"{name}: {prof['self_cpu_ms_per_step']:.1f} ms self CPU time a step (profiled), matmuls "
+              f"{prof['matmul_share']:.1%}; " + ", ".join(f"{t['op'].replace('aten::', '')} {t['share']:.1%} "
+                                                            f"({t['calls_per_step']:.0f}x)" for t in prof["top"]))
 
 if __name__ == "__main__":
     main()

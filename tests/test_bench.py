@@ -17,7 +17,7 @@ def test_bench_smoke(tmp_path):
     out_path = tmp_path / "bench.json"
     # The current thread count, so the test leaves torch as it found it for the tests after it.
     bench.main(["--model", "gpt_tiny", "--micro-batch", "2", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16",
+                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16", "--profile", "1",
                 "--json", str(out_path)])
     out = json.loads(out_path.read_text())
     assert set(out["results"]) == {"megalm/eager", "hf/eager", "megalm/bf16", "hf/bf16"}
@@ -26,6 +26,8 @@ def test_bench_smoke(tmp_path):
     assert out["params"]["megalm"] == out["params"]["hf"] > 0
     assert out["initial_logit_max_abs_diff"] < 1e-3
     assert out["ratio"] > 0 and "paired_ratio" in out
+    assert set(out["profiles"]) == {"megalm/eager", "megalm/bf16"}
+    assert all(0 < p["matmul_share"] < 1 and p["top"] for p in out["profiles"].values())
 
 
 def _script(name):

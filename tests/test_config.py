@@ -106,6 +106,7 @@ BAD = [
      "trainer.global_batch_size=24 is not divisible by micro_batch_size(8) * dp(2) = 16"),
     (["model.num_query_groups=3"], 1, "model.num_attention_heads=4 is not divisible by model.num_query_groups=3"),
     (["model.position_embedding=alibi"], 1, "model.position_embedding='alibi' is not one of learned, rope"),
+    (["data.prefetch=-1"], 1, "data.prefetch=-1 must not be negative"),
     (["optimizer.implementation=apex"], 1, "optimizer.implementation='apex' is not one of fused, foreach, for_loop"),
     (["trainer.compile=whole"], 1, "trainer.compile='whole' is not one of none, model, blocks"),
     (["trainer.compile=model", "trainer.compile_backend=tvm"], 1,
