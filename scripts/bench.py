@@ -193,9 +193,6 @@ def main(argv=None) -> dict:
         for name in (list(runs) if r % 2 == 0 else list(runs)[::-1]):
             state[name]["rounds"].append(args.steps * B * T / train(name, args.steps))
 
-    profiles = {name: profile_steps(lambda: train(name, args.profile), args.profile)
-                for name in runs if args.profile and name.startswith("megalm/")}
-
     fpt = flops_per_token(cfg)
     results = {}
     for name, s in state.items():
@@ -203,6 +200,10 @@ def main(argv=None) -> dict:
         results[name] = {"tokens_per_s": tps, "tflops": tps * fpt / 1e12,
                          "mfu": statistics.median(t * fpt / p for t, p in zip(s["rounds"], peaks)),
                          "rounds_tokens_per_s": s["rounds"], "final_loss": s["loss"], "warmup_s": s["warmup_s"]}
+
+    # After the results are read: the profiled steps are extra steps for megalm's runs only.
+    profiles = {name: profile_steps(lambda: train(name, args.profile), args.profile)
+                for name in runs if args.profile and name.startswith("megalm/")}
 
     def paired(a: str, b: str) -> float:
         """A round's runs are seconds apart, so their ratio cancels most of the machine's drift."""
