@@ -205,7 +205,7 @@ def test_interrupted_index_build_leaves_no_entry(tmp_path, monkeypatch):
 
 
 def test_ranks_wait_and_load_what_the_first_built(tmp_path):
-    ds = write(tmp_path / "r", random_docs(np.random.default_rng(5), 200))
+    write(tmp_path / "r", random_docs(np.random.default_rng(5), 200))  # the files the ranks read
     code = ("import sys; from megalm.data import IndexedDataset, GPTDataset; "
             f"g = GPTDataset(IndexedDataset({str(tmp_path / 'r')!r}), range(0, 200), 16, 7, num_samples=5000, "
             f"cache_dir={str(tmp_path / 'cache')!r}); print(int(g.built_anew), len(g), int(g[3].sum()))")

@@ -5,9 +5,6 @@ test_parallel_model.py; here: when and what the buckets communicate, the memory 
 holds against Megatron's formula, and checkpoints moving between zero stages and dp degrees.
 """
 
-import math
-from pathlib import Path
-
 import pytest
 
 from distributed import run_ranks
