@@ -493,10 +493,6 @@ class Prefetcher:
         self.close()
         self._consumed = value
 
-    @property
-    def num_micro_batches(self) -> int:
-        return self.loader.num_micro_batches
-
     def next_batch(self) -> List[Union[torch.Tensor, Dict[str, torch.Tensor]]]:
         """The loader's next global batch (see MicroBatchLoader.next_batch), built ahead."""
         if self._thread is None:
