@@ -349,8 +349,8 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
 def planned_idle(args, schedule, m, device=None):
     """megalm.plan's bubble for this cell (megalm.plan.formulas.compute_bubble): the schedule's order
     simulated with each stage's time and no transfer time; idle share per rank. The time is the stage's
-    FLOPs, or with `device` (the ranks' measured FLOP/s and bandwidth) FLOPs / FLOP/s plus the loss's
-    memory traffic / bandwidth."""
+    FLOPs, or with `device` (the ranks' measured FLOP/s and bandwidth) FLOPs / FLOP/s plus the stage's
+    memory traffic outside the matmuls (formulas.stage_traffic: layers, embedding, heads, loss) / bandwidth."""
     from megalm.plan.formulas import compute_bubble
     v = SCHEDULE_V[schedule]
     cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
@@ -446,7 +446,7 @@ def report(out, args):
               + " | " + " | ".join(pct(x) for x in r["wait_share"]) + " |")
     dev = out["device"]
     print(f"\nmegalm.plan's bubble (the schedule's order simulated with each stage's time: FLOPs at the ranks' "
-          f"measured matmul rate, {dev['flops_per_s'] / 1e9:.1f} GFLOP/s, plus the loss's memory traffic at their "
+          f"measured matmul rate, {dev['flops_per_s'] / 1e9:.1f} GFLOP/s, plus the memory traffic outside the matmuls at their "
           f"measured bandwidth, {dev['bytes_per_s'] / 1e9:.1f} GB/s; and FLOPs alone) against the measured spread "
           "over rounds of the idle share and of the wait share")
     print(f"| schedule | m | planned idle {ranks} | FLOPs only {ranks} | measured idle min-max {ranks} | "

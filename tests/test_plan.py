@@ -247,17 +247,19 @@ def test_loss_traffic_counts_the_vocab_parallel_passes():
                 assert got == expected, (arch, overrides)
 
 
-def test_the_loss_traffic_lengthens_the_last_stage_by_bytes_over_bandwidth():
+def test_the_memory_traffic_lengthens_each_stage_by_bytes_over_bandwidth():
     """GPipe at pp 2 with one micro-batch runs F0, F1, B1, B0 back to back: rank 0 idles F1 + B1. With a
-    matmul rate and a bandwidth, each of the last stage's passes adds its traffic / bandwidth, by hand."""
-    from megalm.plan.formulas import compute_bubble, loss_traffic_bytes, stage_work
+    matmul rate and a bandwidth, each action adds its stage's traffic over the bandwidth (`stage_traffic`:
+    the layers, the embedding on the first, the heads and the loss's passes on the last), by hand."""
+    from megalm.plan.formulas import compute_bubble, loss_traffic_bytes, stage_traffic, stage_work
     cfg = _compose(*TINY, "trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe")
     first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
+    t0, t1 = stage_traffic(cfg, 1, True, False, 1, 1), stage_traffic(cfg, 1, False, True, 1, 1)
+    assert t1.forward > loss_traffic_bytes(cfg, 1)[0] > 0 and t0.forward > 0
     rate, bandwidth = 1e9, 1e8
-    fwd, bwd = loss_traffic_bytes(cfg, 1)
-    f1, b1 = last.forward / rate + fwd / bandwidth, last.backward / rate + bwd / bandwidth
-    step = (first.forward + first.backward) / rate + f1 + b1
-    assert compute_bubble(cfg, 2, 1, rate, bandwidth)[0] == pytest.approx((f1 + b1) / step, rel=1e-12)
+    f0, b0 = first.forward / rate + t0.forward / bandwidth, first.backward / rate + t0.input_grad / bandwidth
+    f1, b1 = last.forward / rate + t1.forward / bandwidth, last.backward / rate + t1.input_grad / bandwidth
+    assert compute_bubble(cfg, 2, 1, rate, bandwidth)[0] == pytest.approx((f1 + b1) / (f0 + b0 + f1 + b1), rel=1e-12)
     flops_only = (last.forward + last.backward) / (first.forward + first.backward + last.forward + last.backward)
     assert compute_bubble(cfg, 2, 1)[0] == pytest.approx(flops_only, rel=1e-12)
 
@@ -293,6 +295,14 @@ def test_search_parameter_counts_equal_the_laid_out_model(layout):
 TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2"]
 
 
+def _traffic_beside_the_loss(cfg, m: int) -> float:
+    """Bytes a single-stage step moves outside the matmuls besides the loss's passes (`stage_traffic`, checked
+    on its own above): m micro-batches through the layers, the embedding and the heads."""
+    from megalm.plan.formulas import loss_traffic_bytes, stage_traffic
+    t = stage_traffic(cfg, cfg.model.num_layers, True, True, 1, m)
+    return m * (t.forward + t.input_grad + t.weight_grad - sum(loss_traffic_bytes(cfg, 1)))
+
+
 @pytest.mark.parametrize("optimizer,update_bytes", [("adamw", 28), ("sgd", 20)])
 def test_single_device_step_time_by_hand(optimizer, update_bytes):
     """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, the loss's passes
@@ -304,12 +314,12 @@ def test_single_device_step_time_by_hand(optimizer, update_bytes):
     from megalm.models import flops_per_token
     got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16",
                 f"optimizer={optimizer}")
-    cfg = _compose(*TINY, "trainer.global_batch_size=8")
+    cfg = _compose(*TINY, "trainer.global_batch_size=8", "trainer.precision=bf16")
     params = got["positions"][0]["params"]
     tokens = 8 * cfg.model.seq_length
     assert cfg.model.padded_vocab_size == cfg.model.vocab_size == 256
     expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + tokens * 256 * 36 / 3.35e12 \
-        + update_bytes * params / 3.35e12
+        + _traffic_beside_the_loss(cfg, 4) / 3.35e12 + update_bytes * params / 3.35e12
     assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
     assert got["estimate"]["mfu"] == pytest.approx(got["model_flops_per_step"] / (expected * 989e12), rel=1e-9)
 
@@ -359,11 +369,11 @@ def test_bert_single_device_step_time_by_hand():
     casts the logits to fp32 once more (2 + 4) and reads them for their max (4)."""
     from megalm.models import flops_per_token
     got = _plan(*BERT_TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16")
-    cfg = _compose(*BERT_TINY, "trainer.global_batch_size=8")
+    cfg = _compose(*BERT_TINY, "trainer.global_batch_size=8", "trainer.precision=bf16")
     assert "not_modelled" not in got and cfg.model.padded_vocab_size == cfg.model.vocab_size == 256
     params, tokens = got["positions"][0]["params"], 8 * cfg.model.seq_length
     expected = tokens * flops_per_token(cfg.model) / (989e12 * 0.7) + tokens * 256 * 46 / 3.35e12 \
-        + 28 * params / 3.35e12
+        + _traffic_beside_the_loss(cfg, 4) / 3.35e12 + 28 * params / 3.35e12
     assert got["estimate"]["step_seconds"] == pytest.approx(expected, rel=1e-9)
 
 
@@ -372,7 +382,7 @@ def test_bert_stage_boundaries_carry_the_padding_mask_in_the_step_time():
     F(0, 0) F(0, 1) | send | F(1, 0) F(1, 1) B(1, 0) B(1, 1) | send | B(0, 1) ends the step. BERT's forward
     send carries the (b, s) int64 padding mask beside the (b, s, h) fp32 hidden states, its backward the
     hidden states' gradient alone: each crossing one latency plus its bytes over NVLink, by hand."""
-    from megalm.plan.formulas import loss_traffic_bytes, stage_work
+    from megalm.plan.formulas import stage_traffic, stage_work
     layout = ("trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe",
               "cluster=slurm_h100", "trainer.precision=bf16")
     cfg = _compose(*BERT_TINY, *layout)
@@ -380,11 +390,13 @@ def test_bert_stage_boundaries_carry_the_padding_mask_in_the_step_time():
     c, m = cfg.cluster, cfg.model
     rate, bw = 989e12 * c.matmul_efficiency, c.intra_node_bandwidth * c.comm_efficiency
     first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
-    fwd, bwd = loss_traffic_bytes(cfg, 1)
-    head_f, head_b = last.forward / rate + fwd / c.memory_bandwidth, last.backward / rate + bwd / c.memory_bandwidth
-    assert first.forward / rate < head_f and first.backward / rate < head_b  # the order above
+    t0, t1 = stage_traffic(cfg, 1, True, False, 1, 2), stage_traffic(cfg, 1, False, True, 1, 2)
+    bw_mem = c.memory_bandwidth
+    head_f, head_b = last.forward / rate + t1.forward / bw_mem, last.backward / rate + t1.of("B") / bw_mem
+    first_f, first_b = first.forward / rate + t0.forward / bw_mem, first.backward / rate + t0.of("B") / bw_mem
+    assert first_f < head_f and first_b < head_b  # the order above
     hidden, mask = 2 * m.seq_length * m.hidden_size * 4, 2 * m.seq_length * 8
-    expected = (first.forward + first.backward) / rate + 2 * (head_f + head_b) \
+    expected = first_f + first_b + 2 * (head_f + head_b) \
         + 2 * c.intra_node_latency + (2 * hidden + mask) / bw
     assert got["pipeline_seconds"] == pytest.approx(expected, rel=1e-12)
 
@@ -415,3 +427,64 @@ def test_bad_cluster_figures_are_named(override, named):
     from megalm.errors import ConfigError
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         _compose(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", override)
+
+
+def test_traffic_counted_on_fake_tensors_equals_a_real_run():
+    """`count_traffic` counts on FakeTensorMode tensors (nothing allocated, so any size): the same layer,
+    embedding and heads run on real CPU tensors move the same bytes, op for op; across norms, activations,
+    positions, dropout, bf16 autocast, grouped-query attention and BERT (post-norm, its masks and heads)."""
+    from megalm.plan.formulas import count_traffic
+    cases = [[*TINY], [*TINY, "model.normalization=layernorm", "model.activation=gelu",
+                       "model.position_embedding=learned", "model.dropout=0.1", "model.bias=true"],
+             [*TINY, "trainer.precision=bf16"], [*TINY, "model.num_query_groups=2"],
+             [*BERT_TINY], [*BERT_TINY, "model.norm_position=post", "trainer.precision=bf16"]]
+    for overrides in cases:
+        cfg = _compose(*overrides, "trainer.global_batch_size=8")
+        fake, real = count_traffic(cfg), count_traffic(cfg, fake=False)
+        assert fake == real, overrides
+        assert min(fake.layer_forward[0], fake.layer_forward[1], fake.layer_backward[1]) > 0, overrides
+
+
+def test_traffic_of_a_plain_layer_by_hand():
+    """GPT's layer with LayerNorm (no bias), tanh GELU, learned positions, no dropout, fp32, N tokens:
+    forward, each norm reads x (N h) and writes y (its weight, mean and 1/std, h or N elements, are left
+    out); each residual add reads two N h and writes one: the hidden part 2 x 8 Nh + 2 x 12 Nh. The rest is
+    GELU, which reads and writes N x 4h (32 Nh): the matmuls and SDPA are FLOPs', and views move nothing
+    (SDPA's CPU kernel lays its output out as (B, T, heads, hd), so merging the heads is a view).
+    Before the layers, the embedding reads and writes the N rows it looks up (not its whole table), the
+    learned positions' lookup its T rows, and adding them reads N h + T h and writes N h."""
+    from megalm.plan.formulas import count_traffic
+    cfg = _compose(*TINY, "model.normalization=layernorm", "model.activation=gelu", "model.bias=false",
+                   "model.position_embedding=learned", "model.dropout=0.0", "trainer.global_batch_size=8")
+    m = cfg.model
+    assert m.ffn_size == 4 * m.hidden_size
+    N, h = cfg.trainer.micro_batch_size * m.seq_length, m.hidden_size
+    hidden, width = count_traffic(cfg).layer_forward
+    assert hidden == 16 * N * h + 24 * N * h
+    assert width == 32 * N * h
+    T = m.seq_length
+    assert count_traffic(cfg).first_forward == (8 * N * h, 8 * T * h + 4 * (2 * N * h + T * h))
+
+
+def test_stage_traffic_shards_recomputes_and_accumulates():
+    """tp divides the width part, sequence parallelism the hidden part too; full recomputation adds the
+    layers' forward to the input gradient; each micro-batch after the first adds 12 bytes a weight."""
+    from megalm.plan.formulas import count_traffic, loss_traffic_bytes, stage_traffic
+    base = _compose(*TINY, "trainer.global_batch_size=8")
+    c = count_traffic(base)
+    (hf, wf), (hb, wb) = c.layer_forward, c.layer_backward
+    one = stage_traffic(base, 3, False, False, 1, 1)
+    assert (one.forward, one.input_grad, one.weight_grad) == (3 * (hf + wf), 3 * (hb + wb), 0.0)
+    tp = stage_traffic(_compose(*TINY, "trainer.global_batch_size=8", "parallel.tp=2"), 3, False, False, 2, 4)
+    assert tp.forward == pytest.approx(3 * (hf + wf / 2))
+    assert tp.weight_grad == pytest.approx(12 * 3 * c.layer_params / 2 * 3 / 4)
+    sp = stage_traffic(_compose(*TINY, "trainer.global_batch_size=8", "parallel.tp=2", "parallel.sequence_parallel=true"),
+                       3, False, False, 2, 4)
+    assert sp.forward == pytest.approx(3 * (hf + wf) / 2) and sp.input_grad == pytest.approx(3 * (hb + wb) / 2)
+    full = stage_traffic(_compose(*TINY, "trainer.global_batch_size=8", "parallel.recompute=full"), 3, False, False, 1, 1)
+    assert full.input_grad == pytest.approx(3 * (hb + wb) + 3 * (hf + wf))
+    last = stage_traffic(base, 3, False, True, 1, 1)
+    loss = loss_traffic_bytes(base, 1)
+    assert last.forward == pytest.approx(one.forward + sum(c.last_forward) + loss[0])
+    first = stage_traffic(base, 3, True, False, 1, 1)
+    assert first.input_grad == pytest.approx(one.input_grad + sum(c.first_backward))

@@ -134,6 +134,243 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Memory traffic outside the matmuls
+# ---------------------------------------------------------------------------------------------
+#
+# A stage's FLOPs time its matmuls and attention; the rest of a step (norms, residual adds, the
+# activation function, RoPE, dropout, the copies reshapes make, casts under autocast, reductions for
+# bias and norm gradients, gradient accumulation) does a few operations per element it reads and
+# writes, so its time is bytes over memory bandwidth (the roofline's memory-bound side: Williams et
+# al. 2009, "Roofline", CACM 52(4)). On a small hidden size this is a visible share of a layer
+# (bench_pp measures the head's stage against the others). Rather than a hand formula per option
+# (norm, activation, positions, dropout, precision, GQA...), the bytes are counted: one layer of the
+# family's own model, built under FakeTensorMode (tensors with shapes and dtypes, and no storage), runs
+# forward and backward at the micro-batch's shape while a TorchDispatchMode adds up, op by op below
+# autograd, the bytes each op reads and writes. tests/test_plan.py checks the count against the same
+# layer run on real tensors and against a hand count of a plain layer.
+
+FLOP_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward",
+    "_efficient_attention_forward", "_efficient_attention_backward"})
+"""Ops whose time stage_work's FLOPs account for: the matmuls and the fused attention kernels."""
+
+
+class TrafficCounter:
+    """Bytes each aten op reads and writes in tensors of more than one element a token (per-token
+    statistics, ids and parameter vectors are left out: a fraction of 1/h of the rest), counted below
+    autograd (a TorchDispatchMode) and split into `hidden` (every such tensor is a hidden-state tensor,
+    tokens x h: norms, residual adds, hidden dropout, which sequence parallelism shards over tp)
+    and `width` (the rest: attention heads, the MLP's inner width, the vocabulary, which tensor
+    parallelism shards; a model whose MLP width equals h would count it as hidden). Views move
+    nothing; FLOP_OPS are timed by their FLOPs; an embedding lookup reads the rows it writes, not its
+    whole table. With `skip_at`, ops touching a tensor of at least that many elements are left out
+    (the logits' passes, which `loss_traffic_bytes` counts)."""
+
+    def __init__(self, tokens: int, hidden: int, skip_at: Optional[int] = None):
+        from torch.utils._python_dispatch import TorchDispatchMode
+        counter = self
+        self.tokens, self.h, self.skip_at = tokens, hidden, skip_at
+        self.hidden = self.width = 0.0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                counter.record(func, args, kwargs or {}, out)
+                return out
+        self.mode = Mode()
+
+    def record(self, func, args, kwargs, out) -> None:
+        import torch
+        from torch.utils._pytree import tree_leaves
+        name = func.overloadpacket.__name__
+        if name in FLOP_OPS or func.namespace != "aten" or name == "_unsafe_view" \
+                or any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+            return
+        tensors = lambda xs: [x for x in tree_leaves(xs) if isinstance(x, torch.Tensor)]  # noqa: E731
+        outs = tensors(out)
+        if name == "embedding":  # reads the looked-up rows (and the ids), writes them
+            ins = [outs[0], args[1]]
+        else:
+            ins = tensors((args, kwargs))
+        big = [x for x in ins + outs if x.numel() > self.tokens]
+        if not big or (self.skip_at is not None and any(x.numel() >= self.skip_at for x in big)):
+            return
+        nbytes = sum(x.numel() * x.element_size() for x in big)
+        if all(x.numel() == self.tokens * self.h and x.shape[-1] == self.h for x in big):
+            self.hidden += nbytes
+        else:
+            self.width += nbytes
+
+    def take(self) -> Tuple[float, float]:
+        out, self.hidden, self.width = (self.hidden, self.width), 0.0, 0.0
+        return out
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Device-memory bytes outside the matmuls of one micro-batch through a stage on one rank, by pipeline
+    action: the forward, the input gradient (with recomputation's forward) and the weight gradient
+    (gradient accumulation); backward (B) is input_grad + weight_grad."""
+    forward: float = 0.0
+    input_grad: float = 0.0
+    weight_grad: float = 0.0
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        return Traffic(self.forward + other.forward, self.input_grad + other.input_grad,
+                       self.weight_grad + other.weight_grad)
+
+    def scaled(self, k: float) -> "Traffic":
+        return Traffic(self.forward * k, self.input_grad * k, self.weight_grad * k)
+
+    def of(self, kind: str) -> float:
+        return {"F": self.forward, "B": self.input_grad + self.weight_grad, "I": self.input_grad,
+                "W": self.weight_grad}[kind]
+
+
+@dataclass(frozen=True)
+class CountedTraffic:
+    """What `count_traffic` counted for one micro-batch of a single-process model, each part as
+    (hidden, width) bytes forward and backward (TrafficCounter), and the parameters of each part."""
+    layer_forward: Tuple[float, float]
+    layer_backward: Tuple[float, float]
+    first_forward: Tuple[float, float]
+    first_backward: Tuple[float, float]
+    last_forward: Tuple[float, float]
+    last_backward: Tuple[float, float]
+    layer_params: int
+    first_params: int
+    last_params: int
+
+
+_COUNTED: Dict[str, CountedTraffic] = {}
+
+
+def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
+    """Count, op by op, the bytes one micro-batch moves outside the matmuls through one layer, through the
+    first stage's part before the layers (embedding) and through the last stage's part after them (final
+    norm, heads; the ops over the logits are left to `loss_traffic_bytes`), forward then backward, under
+    trainer.precision's autocast. `fake`: on FakeTensorMode tensors (nothing allocated: any model size);
+    False runs the same on real CPU tensors (the tests' reference). Cached per model, micro-batch and
+    precision."""
+    import torch
+    from megalm.models import build_model
+    from megalm.models.family import Part, family_of
+    from megalm.training.precision import autocast
+    m, t = cfg.model, cfg.trainer
+    key = repr((m, t.micro_batch_size, t.precision, fake))
+    if key in _COUNTED:
+        return _COUNTED[key]
+    family = family_of(m.arch)
+    B, T, h = t.micro_batch_size, m.seq_length, m.hidden_size
+    one = dataclasses.replace(m, num_layers=1)
+    logits = B * max(1, getattr(m, "num_choices", 0)) * T * m.padded_vocab_size
+    counter = TrafficCounter(B * T, h)
+    last_counter = TrafficCounter(B * T, h, skip_at=logits)
+    if fake:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        context = FakeTensorMode()
+    else:
+        import contextlib
+        context = contextlib.nullcontext()
+
+    def floats(xs):
+        return [x for x in (xs if isinstance(xs, tuple) else (xs,)) if x.is_floating_point() and x.requires_grad]
+
+    def backward(part_counter, outs):
+        """Backward from ones over the part's float outputs, each parameter's gradient new (gradient
+        accumulation is `stage_traffic`'s own term)."""
+        outs = floats(outs)
+        grads = [torch.ones_like(x) for x in outs]
+        model.zero_grad(set_to_none=True)
+        with part_counter.mode:
+            torch.autograd.backward(outs, grads)
+        return part_counter.take()
+
+    with context:
+        gen = torch.Generator().manual_seed(0)
+        model = build_model(one)
+        model.train()
+        inputs = [torch.randint(0, m.vocab_size, (B, T), generator=gen)] + \
+            [torch.ones(B, T, dtype=torch.long) for _ in family.inputs[1:]]
+        with autocast(t.precision, "cpu"):
+            with counter.mode:
+                acts = model(*inputs, part=Part([], True, False))
+            first_forward = counter.take()
+        first_backward = backward(counter, acts)
+        with autocast(t.precision, "cpu"):
+            acts = tuple(a.detach().requires_grad_(a.is_floating_point())
+                         for a in (acts if isinstance(acts, tuple) else (acts,)))
+            with counter.mode:
+                out = model(*acts, part=Part([0], False, False))
+            layer_forward = counter.take()
+        layer_backward = backward(counter, out)
+        with autocast(t.precision, "cpu"):
+            with last_counter.mode:
+                out = model(*acts, part=Part([], False, True))
+            last_forward = last_counter.take()
+        last_backward = backward(last_counter, out)
+        parts = family.parts
+
+        def params(names):
+            seen = {}
+            for name in names:
+                module = getattr(model, name, None)
+                if module is not None:
+                    seen.update({id(p): p.numel() for p in module.parameters()})
+            return sum(seen.values())
+        counted = CountedTraffic(layer_forward, layer_backward, first_forward, first_backward, last_forward,
+                                 last_backward, params([parts.layers]), params(parts.first), params(parts.last))
+    _COUNTED[key] = counted
+    return counted
+
+
+GRAD_ACCUMULATION_BYTES = 3 * FP32
+"""Adding a micro-batch's weight gradient into the accumulated one: two fp32 reads and a write a parameter."""
+
+
+def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) -> Traffic:
+    """Bytes outside the matmuls of one micro-batch through a stage of `layers` layers on one tp rank
+    (`count_traffic`, with the first stage's embedding and the last stage's heads and loss,
+    `loss_traffic_bytes`).
+
+    - tensor parallelism shards the width part (heads, the MLP's inner width, the vocabulary) over tp;
+      the hidden part (norms, residual adds, hidden dropout) runs whole on every tp rank, or on the
+      rank's sequence shard (1/tp) under sequence parallelism;
+    - full recomputation runs the recomputed layers' forward again in the input gradient (selective
+      recomputes only the attention core, whose kernels FLOPs time);
+    - gradient accumulation: each micro-batch after a step's first adds its weight gradients into the
+      accumulated ones (GRAD_ACCUMULATION_BYTES a parameter), spread here over the m micro-batches.
+    """
+    c, p = count_traffic(cfg), cfg.parallel
+    sp = p.sequence_parallel and tp > 1
+
+    def share(part: Tuple[float, float]) -> float:
+        hidden, width = part
+        return hidden / (tp if sp else 1) + width / tp
+
+    layer = Traffic(share(c.layer_forward), share(c.layer_backward))
+    total = layer.scaled(layers)
+    if p.recompute == "full":
+        n = layers if p.recompute_num_layers is None else min(layers, p.recompute_num_layers)
+        total += Traffic(0.0, n * layer.forward)
+    params = layers * c.layer_params
+    if first:
+        total += Traffic(share(c.first_forward), share(c.first_backward))
+        params += c.first_params
+    if last:
+        total += Traffic(share(c.last_forward), share(c.last_backward))
+        total += Traffic(*loss_traffic_bytes(cfg, tp))
+        params += c.last_params
+    accumulate = GRAD_ACCUMULATION_BYTES * params / tp * (m - 1) / m
+    return total + Traffic(0.0, 0.0, accumulate)
+
+
+# ---------------------------------------------------------------------------------------------
 # Activation memory
 # ---------------------------------------------------------------------------------------------
 #
@@ -1211,13 +1448,12 @@ def stage_owner(schedule: str, pp: int, num_stages: int) -> List[int]:
     return [next(r for r in range(pp) if s in virtual_stages_of(r, pp, v, schedule)) for s in range(num_stages)]
 
 
-def action_seconds(work: StageWork, kind: str, rate: float, traffic: Tuple[float, float] = (0.0, 0.0),
+def action_seconds(work: StageWork, kind: str, rate: float, traffic: Optional[Traffic] = None,
                    bandwidth: Optional[float] = None) -> float:
     """Seconds of one pipeline action (F, B, or zero-bubble's I / W) of a stage: its FLOPs at `rate`, plus,
-    with a memory `bandwidth`, the loss's memory traffic (`loss_traffic_bytes`, forward with F, backward
-    with B and I: the logits' gradient comes before the head's input gradient)."""
+    with a memory `bandwidth`, its bytes outside the matmuls (`stage_traffic`) over that bandwidth."""
     flops = {"F": work.forward, "B": work.backward, "I": work.input_grad, "W": work.weight_grad}[kind]
-    moved = {"F": traffic[0], "B": traffic[1], "I": traffic[1], "W": 0.0}[kind] if bandwidth else 0.0
+    moved = traffic.of(kind) if traffic is not None and bandwidth else 0.0
     return flops / rate + (moved / bandwidth if moved else 0.0)
 
 
@@ -1226,16 +1462,17 @@ def compute_bubble(cfg, pp: int, m: int, flops_per_second: Optional[float] = Non
     """Each pipeline rank's idle share of the step with compute alone: the schedule's order simulated with
     each stage's time and nothing for transfers, so unequal stages (the head on the last) count. With no
     figures a stage's time is its FLOPs (`stage_work`); given a device's matmul FLOP/s and memory
-    bandwidth (bytes/s), the loss's memory traffic (`loss_traffic_bytes`) is added on the last stage."""
+    bandwidth (bytes/s), each stage's memory traffic outside the matmuls (`stage_traffic`: its layers,
+    the embedding on the first, the heads and the loss on the last) is added as bytes over bandwidth."""
     layers = stage_layers(cfg, pp)
     S = len(layers)
     owner = stage_owner(cfg.parallel.pipeline_schedule, pp, S)
     work = [stage_work(cfg, n, s == S - 1, 1) for s, n in enumerate(layers)]
     rate = flops_per_second or 1.0
-    traffic = loss_traffic_bytes(cfg, 1) if flops_per_second and bytes_per_second else (0.0, 0.0)
+    moves = flops_per_second and bytes_per_second
+    traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, 1, m) if moves else None for s, n in enumerate(layers)]
     sim = simulate(schedule_order(cfg.parallel.pipeline_schedule, pp, S // pp, m),
-                   lambda kind, s: action_seconds(work[s], kind, rate, traffic if s == S - 1 else (0.0, 0.0),
-                                                  bytes_per_second if flops_per_second else None),
+                   lambda kind, s: action_seconds(work[s], kind, rate, traffic[s], bytes_per_second if moves else None),
                    lambda a, b: 0.0, lambda s: owner[s], S)
     return {r: sim.idle_share(r) for r in range(pp)}
 
@@ -1308,8 +1545,9 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - every pipeline action (forward, backward, or zero-bubble's input / weight halves) computes its
       FLOPs (`stage_work`) at cluster.matmul_efficiency x the peak of trainer.precision, plus its share
       (by FLOPs) of the rank's tensor-parallel collectives, which wait on the compute (Megatron's layers
-      issue them between dependent matmuls, nothing to overlap them with); the last stage adds the
-      loss's memory traffic over cluster.memory_bandwidth (`loss_traffic_bytes`);
+      issue them between dependent matmuls, nothing to overlap them with); and its bytes outside the
+      matmuls (`stage_traffic`: norms, activations, copies, the loss on the last stage...) over
+      cluster.memory_bandwidth;
     - activations cross pipeline ranks as point-to-point sends (`boundary_messages`: forward the
       activations, and BERT's padding mask; backward their gradient), over NVLink or the network by where
       the two ranks sit;
@@ -1356,13 +1594,13 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
                      for r in range(dims.pp)}
     tp_share = {r: seconds_of("tp", r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
 
-    traffic = loss_traffic_bytes(cfg, dims.tp)
+    traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, dims.tp, m) if c.memory_bandwidth else None
+               for s, n in enumerate(layers)]
 
     def seconds(kind: str, s: int) -> float:
         w = work[s]
         flops = {"F": w.forward, "B": w.backward, "I": w.input_grad, "W": w.weight_grad}[kind]
-        loss = traffic if s == S - 1 else (0.0, 0.0)
-        return action_seconds(w, kind, rate, loss, c.memory_bandwidth) + flops * tp_share[owner[s]]
+        return action_seconds(w, kind, rate, traffic[s], c.memory_bandwidth) + flops * tp_share[owner[s]]
 
     forward_msgs, backward_msg = boundary_messages(cfg, dims.tp)
 
