@@ -335,6 +335,9 @@ class LoggingConfig:
     """Write metrics.jsonl in the run directory."""
     tensorboard: bool = False
     """Write TensorBoard events (needs the tensorboard package)."""
+    curves: bool = True
+    """Draw metrics.jsonl's curves (loss, validation loss, learning rate, tokens/s) to curves.png in the
+    run directory when the run ends (megalm.report; needs logging.jsonl)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging."""
 

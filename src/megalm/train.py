@@ -34,6 +34,52 @@ def hydra_main(dcfg: DictConfig) -> Optional[float]:
 
 
 def _task(dcfg: DictConfig) -> Optional[float]:
+    """One run; in a multirun also its sweep job's record (job.json) and the sweep's summary, failed or not."""
+    sweep = _sweep_job(dcfg)
+    if sweep is None:
+        return _run(dcfg)
+    sweep_dir, run_dir, overrides = sweep
+    from megalm.report import job_record, write_job, write_run_curves, write_sweep_summary
+    try:
+        val_loss = _run(dcfg)
+    except BaseException as e:
+        if _rank0():
+            message = str(e) if isinstance(e, MegalmError) else f"{type(e).__name__}: {e}"
+            write_job(run_dir, job_record(overrides, "failed", run_dir, error=message.splitlines()[0] if message else ""))
+            write_sweep_summary(sweep_dir)
+        raise
+    if _rank0():
+        write_job(run_dir, job_record(overrides, "ok", run_dir, val_loss=val_loss, params=_params(dcfg)))
+        write_sweep_summary(sweep_dir)
+        drawn = dcfg.logging.jsonl and dcfg.logging.curves
+        if drawn and not (run_dir / "curves.png").exists():  # a multi-rank job's ranks ran in other processes
+            write_run_curves(run_dir)
+    return val_loss
+
+
+def _sweep_job(dcfg: DictConfig):
+    """(sweep directory, this job's run directory, its overrides) in a Hydra multirun, else None."""
+    from hydra.types import RunMode
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    run_dir = Path(dcfg.get("run_dir") or hc.runtime.output_dir)
+    return Path(hc.sweep.dir), run_dir, list(hc.overrides.task)
+
+
+def _rank0() -> bool:
+    env = detect_rank_env()
+    return env is None or env.rank == 0
+
+
+def _params(dcfg: DictConfig) -> int:
+    """The model's parameter count, from a meta-device build (nothing allocated)."""
+    from megalm.models import build_model
+    model_cfg = OmegaConf.to_object(dcfg).model
+    return sum(p.numel() for p in build_model(model_cfg, device="meta").parameters())
+
+
+def _run(dcfg: DictConfig) -> Optional[float]:
     try:
         reject_unknown_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)

@@ -105,7 +105,11 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         data.tokenizer.save_to(run_dir)
     trainer.metrics = MetricLogger(cfg.logging if rank == 0 else None, run_dir,
                                    OmegaConf.to_container(OmegaConf.structured(cfg)), start_step=start.step)
-    return trainer.fit()
+    val_loss = trainer.fit()
+    if rank == 0 and cfg.logging.jsonl and cfg.logging.curves:
+        from megalm.report import write_run_curves
+        write_run_curves(run_dir)
+    return val_loss
 
 
 def steps_for_epochs(cfg: Config, tokenizer, samples) -> Config:

@@ -1,0 +1,108 @@
+"""megalm.report: a Hydra sweep's summary and curves, from real multirun jobs, and the report's own errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+import subprocess
+import sys
+
+import pytest
+
+QUICK = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
+         "trainer.max_steps=6", "trainer.eval_interval=3", "trainer.eval_steps=1", "trainer.log_interval=1",
+         "trainer.progress_bar=false", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _records(run_dir, key):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [(r["step"], r[key]) for r in map(json.loads, lines) if key in r]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Three jobs of one multirun, in one process as Hydra's basic launcher runs them: two learning rates
+    that train, and a third the config refuses, which ends the sweep with megalm's error."""
+    root = tmp_path_factory.mktemp("sweep")
+    out = subprocess.run([sys.executable, "-m", "megalm.train", "-m", *QUICK, "optimizer.lr=0.001,0.003,-1",
+                          f"hydra.sweep.dir={root / 'sweep'}"], cwd=root, capture_output=True, text=True, timeout=600)
+    return root / "sweep", out
+
+
+def test_a_sweep_summarises_its_jobs_failed_ones_included(sweep):
+    sweep_dir, out = sweep
+    assert out.returncode == 1 and "optimizer.lr=-1" in out.stderr, out.stderr[-2000:]
+    with open(sweep_dir / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["job"] for r in rows] == ["0", "1", "2"]
+    assert [r["overrides"].split()[-1] for r in rows] == ["optimizer.lr=0.001", "optimizer.lr=0.003", "optimizer.lr=-1"]
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed"]
+    assert "optimizer.lr=-1" in rows[2]["error"] and rows[2]["val_loss"] == ""
+    from megalm.models import build_model
+    from megalm.plan import compose
+    model = build_model(compose(QUICK)[0].model)  # a real CPU model: its parameters, counted independently
+    for row in rows[:2]:
+        run_dir = sweep_dir / row["job"]
+        assert float(row["val_loss"]) == pytest.approx(_records(run_dir, "val_loss")[-1][1], rel=1e-3)
+        speeds = [v for _, v in _records(run_dir, "tokens_per_s")]  # the median of the logged ones
+        assert len(speeds) > 2 and float(row["tokens_per_s"]) == pytest.approx(statistics.median(speeds), rel=1e-3)
+        assert int(row["params"]) == sum(p.numel() for p in model.parameters())
+    assert rows[0]["val_loss"] != rows[1]["val_loss"]  # two learning rates, two runs
+    md = (sweep_dir / "summary.md").read_text().splitlines()
+    assert len(md) == 2 + 3 and md[0].startswith("| job | overrides | status | val_loss")
+
+
+def test_each_run_draws_its_curves_when_it_ends(sweep):
+    sweep_dir, _ = sweep
+    for job in ("0", "1"):
+        assert (sweep_dir / job / "curves.png").read_bytes()[:8] == PNG
+    assert not (sweep_dir / "2" / "curves.png").exists()  # refused before it started
+
+
+def test_the_report_draws_every_run_of_a_sweep(sweep):
+    """`python -m megalm.report SWEEP_DIR` writes report.png there; the figure it draws has one line a run in
+    each panel, holding that run's metrics.jsonl values, labelled by the override that sets it apart."""
+    sweep_dir, _ = sweep
+    out = subprocess.run([sys.executable, "-m", "megalm.report", str(sweep_dir)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "2 run(s) drawn" in out.stdout and (sweep_dir / "report.png").read_bytes()[:8] == PNG
+    from megalm.report import PANELS, draw, find_runs
+    runs = find_runs([sweep_dir])
+    assert [r.name for r in runs] == ["0", "1"]
+    fig = draw(runs)
+    for ax, (key, title) in zip(fig.axes, PANELS):
+        assert ax.get_title() == title
+        lines = ax.get_lines()
+        assert len(lines) == 2, key
+        for line, run in zip(lines, runs):
+            steps, values = zip(*_records(run, key))
+            assert list(line.get_xdata()) == list(steps) and list(line.get_ydata()) == pytest.approx(values)
+            assert line.get_label() == "optimizer.lr=" + ("0.001" if run.name == "0" else "0.003")  # what differs
+
+
+@pytest.mark.parametrize("args,says", [
+    (["{tmp}"], "no metrics.jsonl in or below"),
+    (["{tmp}/missing"], "is not a directory"),
+    (["{tmp}", "{tmp}"], "--output FILE.png"),
+    (["{tmp}", "--output", "{tmp}/report.pdf"], "ending in .png"),
+])
+def test_report_errors_name_the_input(tmp_path, args, says):
+    out = subprocess.run([sys.executable, "-m", "megalm.report", *(a.format(tmp=tmp_path) for a in args)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_plain_run_draws_its_curves_unless_told_not_to(tmp_path):
+    """Outside a sweep too: the run's rank 0 draws curves.png as the run ends; logging.curves=false skips it
+    (and a plain run writes no job.json)."""
+    for curves in ("true", "false"):
+        run_dir = tmp_path / curves
+        out = subprocess.run([sys.executable, "-m", "megalm.train", *QUICK, "trainer.max_steps=2",
+                              f"logging.curves={curves}", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert (run_dir / "curves.png").exists() == (curves == "true") and not (run_dir / "job.json").exists()
+    assert (tmp_path / "true" / "curves.png").read_bytes()[:8] == PNG
