@@ -106,3 +106,31 @@ def test_a_plain_run_draws_its_curves_unless_told_not_to(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         assert (run_dir / "curves.png").exists() == (curves == "true") and not (run_dir / "job.json").exists()
     assert (tmp_path / "true" / "curves.png").read_bytes()[:8] == PNG
+
+
+def test_an_optuna_study_minimises_the_validation_loss_and_outlives_a_failed_trial(tmp_path):
+    """`hydra/sweeper=optuna` (hydra-optuna-sweeper): three trials over three learning rates, one of which
+    the config refuses. The failed trial is recorded (its summary row, optuna's warning) and the
+    study goes on; its best value is the lowest validation loss of the trials that ran, and its best
+    parameter that trial's learning rate."""
+    import yaml
+    sweep_dir = tmp_path / "study"
+    out = subprocess.run([sys.executable, "-m", "megalm.train", "-m", *QUICK, "hydra/sweeper=optuna",
+                          # optuna 2.10's RandomSampler at seed 2 draws each of the three choices once
+                          "hydra/sweeper/sampler=random", "hydra.sweeper.sampler.seed=2",
+                          "hydra.sweeper.n_trials=3", "hydra.sweeper.direction=minimize",
+                          "hydra.sweeper.max_failure_rate=1.0", "optimizer.lr=choice(0.001,0.003,-1)",
+                          f"hydra.sweep.dir={sweep_dir}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Failed experiment" in out.stderr + out.stdout and "optimizer.lr=-1" in out.stderr + out.stdout
+    with open(sweep_dir / "summary.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert sorted(r["status"] for r in rows) == ["failed", "ok", "ok"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    lr = lambda row: next(o for o in row["overrides"].split() if o.startswith("optimizer.lr="))  # noqa: E731
+    losses = {lr(r): _records(sweep_dir / r["job"], "val_loss")[-1][1] for r in ok}
+    assert len(losses) == 2 and lr(next(r for r in rows if r["status"] == "failed")) == "optimizer.lr=-1"
+    result = yaml.safe_load((sweep_dir / "optimization_results.yaml").read_text())
+    best = min(losses, key=losses.get)
+    assert result["best_value"] == pytest.approx(losses[best], rel=1e-6)
+    assert f"optimizer.lr={result['best_params']['optimizer.lr']}" == best

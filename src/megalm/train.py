@@ -12,6 +12,7 @@ from typing import Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
@@ -29,6 +30,10 @@ register_configs()
 @hydra.main(version_base="1.3", config_path=conf_dir(), config_name="config")
 def hydra_main(dcfg: DictConfig) -> Optional[float]:
     """Hydra task function; returns the final validation loss so sweepers can optimise it."""
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        # A failed job's error goes back to the sweeper, which decides: Hydra's basic one stops the sweep and
+        # the error is printed once by run_hydra_app; optuna's records a failed trial and goes on.
+        return _task(dcfg)
     with cli_errors("megalm"):  # printed here: Hydra would add its own line to a raised exception
         return _task(dcfg)
 
@@ -59,7 +64,6 @@ def _task(dcfg: DictConfig) -> Optional[float]:
 
 def _sweep_job(dcfg: DictConfig):
     """(sweep directory, this job's run directory, its overrides) in a Hydra multirun, else None."""
-    from hydra.types import RunMode
     hc = HydraConfig.get()
     if hc.mode != RunMode.MULTIRUN:
         return None
