@@ -18,6 +18,8 @@ def test_wheel_carries_conf_and_finds_it(tmp_path):
     shipped = {f"megalm/conf/{p.relative_to(ROOT / 'conf')}" for p in (ROOT / "conf").rglob("*.yaml")}
     assert shipped and shipped <= names
     assert "megalm/serve/playground.html" in names  # the server's page is read from the installed package
+    # megalm's Hydra launchers, in Hydra's plugin namespace (a namespace package: no __init__.py of its own)
+    assert "hydra_plugins/megalm_launcher/megalm_launcher.py" in names and "hydra_plugins/__init__.py" not in names
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     out = subprocess.run(

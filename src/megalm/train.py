@@ -7,6 +7,7 @@ config section.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -83,7 +84,19 @@ def _params(dcfg: DictConfig) -> int:
     return sum(p.numel() for p in build_model(model_cfg, device="meta").parameters())
 
 
+def _adopt_submitit_rank() -> None:
+    """Under submitit (hydra/launcher=megalm_slurm or megalm_local) a job of several tasks runs one rank a
+    task: torch's rendezvous variables (MASTER_ADDR / PORT, RANK, WORLD_SIZE, LOCAL_RANK) come from
+    submitit's job environment, so the rank is found as under torchrun."""
+    if "SUBMITIT_EXECUTOR" not in os.environ:
+        return
+    import submitit
+    if submitit.JobEnvironment().num_tasks > 1:
+        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def _run(dcfg: DictConfig) -> Optional[float]:
+    _adopt_submitit_rank()
     try:
         reject_unknown_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)
