@@ -18,7 +18,7 @@ from distributed import run_ranks
 from test_parallel_model import _rank_runs, load
 
 STEPS = 4
-BASE = ["model=bert_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batch_size=2",
+BASE = ["model=bert_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",
         "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.eval_steps=1",
         "trainer.eval_interval=0", "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1",
         "optimizer.warmup_steps=1", "optimizer.lr=1e-2", "cluster.peak_flops=1e12", "trainer.grad_clip=1.0",

@@ -25,7 +25,7 @@ from megalm.training.manifest import MANIFEST, verify, write_manifest
 from test_train import TINY, load, records
 
 # Dropout on, so a resume must restore the RNG to repeat the curve; a save every 2 steps.
-COMMON = [*TINY, "model.dropout=0.1", "trainer.eval_interval=0", "trainer.max_steps=6", "checkpoint.interval=2",
+COMMON = [*TINY, "logging.curves=false", "model.dropout=0.1", "trainer.eval_interval=0", "trainer.max_steps=6", "checkpoint.interval=2",
           "checkpoint.keep_last=0"]
 
 

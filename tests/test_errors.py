@@ -22,7 +22,7 @@ from megalm.data.indexed import IndexedDatasetWriter
 from megalm.data.provenance import write_provenance
 from megalm.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
-QUICK = ["model=gpt_tiny", "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_steps=1",
+QUICK = ["model=gpt_tiny", "logging.curves=false", "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_steps=1",
          "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
 MOCK = [*QUICK, "data=mock"]
 

@@ -18,7 +18,7 @@ from distributed import run_ranks
 from test_parallel_model import load
 
 STEPS = 3
-BASE = ["model=gpt_tiny", "data=mock", "model.num_layers=4", "model.vocab_size=256", "model.hidden_size=32",
+BASE = ["model=gpt_tiny", "data=mock", "logging.curves=false", "model.num_layers=4", "model.vocab_size=256", "model.hidden_size=32",
         "model.ffn_hidden_size=64", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
         f"trainer.max_steps={STEPS}", "trainer.grad_clip=1.0", "optimizer=sgd", "optimizer.lr=0.5", "optimizer.warmup_steps=1",
         "trainer.num_threads=1", "cluster.peak_flops=1e12", "parallel.bucket_size_mb=0.005"]

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from distributed import run_ranks  # noqa: E402
 
 GOLDEN = Path(__file__).resolve().parent / "data" / "gpt_golden.json"
-BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
+BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
         "trainer.max_steps=4", "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.log_interval=1",
         "trainer.progress_bar=false", "trainer.num_threads=1", "optimizer.warmup_steps=1", "optimizer.lr=1e-2",
         "cluster.peak_flops=1e12", "checkpoint.save=false", "trainer.grad_clip=0.3"]

@@ -209,9 +209,14 @@ def test_bert_loss_traffic_counts_the_mlm_loss_and_its_accuracy(overrides):
         == loss_traffic_bytes(cfg, 1)
 
 
-def _vocab_parallel_passes(rank, world, overrides):
-    """(counted, planned) loss traffic on this rank's vocabulary shard: GPT's vocabulary-parallel loss, and
-    BERT's loss_and_metrics with the vocabulary-parallel criterion its tp plan gives it."""
+def _vocab_parallel_passes(rank, world, cases):
+    """For each override list of `cases`: (counted, planned) loss traffic on this rank's vocabulary shard, of
+    GPT's vocabulary-parallel loss and BERT's loss_and_metrics with the vocabulary-parallel criterion its tp
+    plan gives it."""
+    return [_vocab_parallel_case(rank, world, overrides) for overrides in cases]
+
+
+def _vocab_parallel_case(rank, world, overrides):
     import torch
     from megalm.models import build_model
     from megalm.parallel.tensor import vocab_parallel_cross_entropy
@@ -241,9 +246,10 @@ def _vocab_parallel_passes(rank, world, overrides):
 def test_loss_traffic_counts_the_vocab_parallel_passes():
     """At tp 2 the vocabulary-parallel loss's passes over each rank's shard (GPT's loss; BERT's loss and its
     MLM accuracy) equal `loss_traffic_bytes`."""
-    for overrides in ([], ["trainer.precision=bf16"]):
-        for rank in run_ranks(2, _vocab_parallel_passes, overrides):
-            for arch, got, expected in rank:
+    cases = ([], ["trainer.precision=bf16"])
+    for rank in run_ranks(2, _vocab_parallel_passes, cases):  # one set of ranks for both cases
+        for overrides, case in zip(cases, rank):
+            for arch, got, expected in case:
                 assert got == expected, (arch, overrides)
 
 

@@ -18,7 +18,7 @@ from distributed import run_ranks
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
          "model.vocab_size=256"]
-COMMON = ["data=mock", "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
+COMMON = ["data=mock", "logging.curves=false", "trainer.device=cpu", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
 # GPT-2 style (learned positions, LayerNorm with bias, GELU, tied head) and Llama style (RoPE, RMSNorm,
 # SwiGLU, grouped-query attention, no biases, untied head): their layers keep different tensors.
 GPT2 = ["model=gpt_tiny", *SHAPE]

@@ -16,7 +16,7 @@ import pytest
 from distributed import run_ranks
 
 GPT = ["model=gpt_tiny", "model.num_layers=4"]  # the model of a layout that names none
-BASE = ["data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.num_threads=1",
+BASE = ["data=mock", "logging.curves=false", "trainer.micro_batch_size=2", "trainer.global_batch_size=8", "trainer.num_threads=1",
         "trainer.progress_bar=false", "checkpoint.save=false",
         "parallel.bucket_size_mb=0.02"]  # ~5k-element buckets: several per rank
 # BERT's pretraining heads: the padding mask crosses stages with the hidden states, the pooler gathers the

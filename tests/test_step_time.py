@@ -23,7 +23,7 @@ from test_train import TINY, load
 
 PARTS = ("time_data_s", "time_forward_s", "time_backward_s", "time_compute_s", "time_pipeline_idle_s",
          "time_optimizer_s", "time_other_s")
-QUICK = [*TINY, "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.eval_at_start=false",
+QUICK = [*TINY, "logging.curves=false", "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.eval_at_start=false",
          "checkpoint.save=false"]
 
 

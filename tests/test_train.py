@@ -15,7 +15,7 @@ from megalm.validation import validate
 from megalm.train import run
 
 register_configs()
-TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
+TINY = ["model=gpt_tiny", "data=mock", "logging.curves=false", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
         "trainer.eval_steps=2", "trainer.log_interval=1", "trainer.progress_bar=false",
         "optimizer.warmup_steps=2", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
 
