@@ -134,3 +134,33 @@ def test_an_optuna_study_minimises_the_validation_loss_and_outlives_a_failed_tri
     best = min(losses, key=losses.get)
     assert result["best_value"] == pytest.approx(losses[best], rel=1e-6)
     assert f"optimizer.lr={result['best_params']['optimizer.lr']}" == best
+
+
+@pytest.mark.parametrize("raised,status", [(KeyboardInterrupt(), "stopped"), (RuntimeError("boom"), "failed")])
+def test_a_job_stopped_by_ctrl_c_is_not_a_failure(tmp_path, monkeypatch, raised, status):
+    """A sweep job's record says what ended it: Ctrl-C is `stopped`, with no error; an exception is `failed`,
+    with its type and message. Either way it reaches the sweeper."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    import megalm.train as train
+    from megalm.config import conf_dir
+    from omegaconf import open_dict
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["model=gpt_tiny", "data=mock"], return_hydra_config=True)
+    with open_dict(cfg):
+        cfg.hydra.mode = RunMode.MULTIRUN
+        cfg.hydra.sweep.dir = str(tmp_path)
+        cfg.hydra.runtime.output_dir = str(tmp_path / "0")
+        cfg.hydra.overrides.task = ["optimizer.lr=0.1"]
+    HydraConfig.instance().set_config(cfg)
+
+    def run(dcfg):
+        raise raised
+    monkeypatch.setattr(train, "_run", run)
+    with pytest.raises(type(raised)):
+        train._task(cfg)
+    job = json.loads((tmp_path / "0" / "job.json").read_text())
+    assert job["status"] == status and job["overrides"] == ["optimizer.lr=0.1"]
+    assert job["error"] == (None if status == "stopped" else "RuntimeError: boom")
+    assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith(f"0,optimizer.lr=0.1,{status}")

@@ -17,27 +17,31 @@ QUICK = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=4", "trainer.g
 
 
 def _val_losses(run_dir: Path):
-    return [r["val_loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "val_loss" in r]
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [r["val_loss"] for r in records if "val_loss" in r]
 
 
 def test_a_layout_sweep_runs_each_job_at_its_own_size_one_task_a_rank(tmp_path):
-    """`-m hydra/launcher=megalm_local parallel=single,dp2`: submitit's local executor runs both jobs at once,
-    the dp2 job as two tasks (two log files, each a rank), and dp2's validation losses equal the single
-    process's (fp32, relative 1e-5): the tasks found their ranks and each other."""
+    """`-m hydra/launcher=megalm_local parallel=single,dp2,tp2`: submitit's local executor runs the three jobs
+    at once, dp2 and tp2 as two tasks each (two log files, each a rank, each job its own rendezvous port and
+    run directory), and their validation losses equal the single process's (fp32, relative 1e-5): the tasks
+    found their ranks and each other, not another job's."""
     sweep = tmp_path / "sweep"
     out = subprocess.run([sys.executable, "-m", "megalm.train", "-m", "hydra/launcher=megalm_local", *QUICK,
-                          "parallel=single,dp2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, capture_output=True,
+                          "parallel=single,dp2,tp2", f"hydra.sweep.dir={sweep}"], cwd=tmp_path, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "tasks_per_node=1" in out.stdout and "tasks_per_node=2" in out.stdout
     with open(sweep / "summary.csv") as f:
         rows = list(csv.DictReader(f))
-    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "ok")]
-    single, dp2 = _val_losses(sweep / "0"), _val_losses(sweep / "1")
-    assert len(single) == 3 and dp2 == pytest.approx(single, rel=1e-5)
-    assert "world 2" in (sweep / "1" / "train.log").read_text()
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "ok"), ("2", "ok")]
+    single = _val_losses(sweep / "0")
+    assert len(single) == 3
+    for job in ("1", "2"):
+        assert _val_losses(sweep / job) == pytest.approx(single, rel=1e-5), job
+        assert "world 2" in (sweep / job / "train.log").read_text()
     tasks = sorted(n for n in (len(list(job.glob("*_log.out"))) for job in (sweep / ".submitit").iterdir()) if n)
-    assert tasks == [1, 2]  # submitit's log a task: job 0 ran one, job 1 two
+    assert tasks == [1, 2, 2]  # submitit's log a task: job 0 ran one, jobs 1 and 2 two each
 
 
 def _compose(overrides):

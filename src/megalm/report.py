@@ -4,8 +4,8 @@ A run directory is one holding metrics.jsonl (megalm.training.metrics); any othe
 searched below for them (a Hydra sweep: one run a job). The figure has four panels over the optimizer
 step: training loss, validation loss, learning rate and throughput (tokens/s), one line a run,
 labelled by the overrides its sweep job ran with that set it apart from the other runs drawn (job.json,
-written by megalm.train in a multirun), or else by its directory. Written as PNG with matplotlib (its Figure API: no display needed): to --output, or to
-report.png in the one directory given. A run also draws its own curves to curves.png when it ends
+written by megalm.train in a multirun), or else by its directory. Written as PNG with matplotlib (its
+Figure API: no display needed), to --output or to report.png in the one directory given. A run also draws its own curves to curves.png when it ends
 (`logging.curves`), and a sweep's jobs keep summary.md / summary.csv in the sweep directory up to date
 (`write_sweep_summary`): one row a job, with its overrides, final validation loss, tokens/s, MFU,
 parameters and status.

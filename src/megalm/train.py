@@ -49,9 +49,11 @@ def _task(dcfg: DictConfig) -> Optional[float]:
     try:
         val_loss = _run(dcfg)
     except BaseException as e:
-        if _rank0():
+        if _rank0():  # a stop (Ctrl-C, or an exit with status 0) is not a failure
+            stopped = isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and not e.code)
             message = str(e) if isinstance(e, MegalmError) else f"{type(e).__name__}: {e}"
-            write_job(run_dir, job_record(overrides, "failed", run_dir, error=message.splitlines()[0] if message else ""))
+            error = None if stopped else (message.splitlines() or [""])[0]
+            write_job(run_dir, job_record(overrides, "stopped" if stopped else "failed", run_dir, error=error))
             write_sweep_summary(sweep_dir)
         raise
     if _rank0():
