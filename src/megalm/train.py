@@ -45,7 +45,7 @@ def _task(dcfg: DictConfig) -> Optional[float]:
     if sweep is None:
         return _run(dcfg)
     sweep_dir, run_dir, overrides = sweep
-    from megalm.report import job_record, write_job, write_run_curves, write_sweep_summary
+    from megalm.report import job_record, write_job, write_sweep_summary
     try:
         val_loss = _run(dcfg)
     except BaseException as e:
@@ -58,10 +58,7 @@ def _task(dcfg: DictConfig) -> Optional[float]:
         raise
     if _rank0():
         write_job(run_dir, job_record(overrides, "ok", run_dir, val_loss=val_loss, params=_params(dcfg)))
-        write_sweep_summary(sweep_dir)
-        drawn = dcfg.logging.jsonl and dcfg.logging.curves
-        if drawn and not (run_dir / "curves.png").exists():  # a multi-rank job's ranks ran in other processes
-            write_run_curves(run_dir)
+        write_sweep_summary(sweep_dir)  # the run's rank 0 has drawn its curves.png (training.job.run)
     return val_loss
 
 

@@ -34,7 +34,7 @@ except ImportError:  # the submitit extra is not installed: no megalm launchers 
 RESOURCE_KEYS = ("nodes", "tasks_per_node", "gpus_per_node")
 
 
-def job_resources(cfg, executor: str, cuda_here: Optional[bool] = None) -> Dict[str, int]:
+def job_resources(cfg, executor: str) -> Dict[str, int]:
     """{nodes, tasks_per_node, gpus_per_node} of one job from its composed config: one task a rank."""
     p, c = cfg.parallel, cfg.cluster
     per_node = int(c.devices_per_node)
@@ -48,10 +48,8 @@ def job_resources(cfg, executor: str, cuda_here: Optional[bool] = None) -> Dict[
         raise ValueError(f"the layout needs {ranks} ranks, which do not fill nodes of cluster.devices_per_node="
                          f"{per_node} evenly; choose a layout whose rank count is below or a multiple of it")
     if executor == "local":
-        if cuda_here is None:
-            import torch
-            cuda_here = torch.cuda.is_available()
-        gpus = tasks if cuda_here and cfg.trainer.device != "cpu" else 0
+        import torch
+        gpus = tasks if torch.cuda.is_available() and cfg.trainer.device != "cpu" else 0
     else:
         gpus = 0 if cfg.trainer.device == "cpu" else tasks
     return {"nodes": nodes, "tasks_per_node": tasks, "gpus_per_node": gpus}
@@ -117,18 +115,19 @@ if SlurmLauncher is not None:
     _HERE = "hydra_plugins.megalm_launcher.megalm_launcher"
 
     @dataclass
-    class MegalmSlurmConf(SlurmQueueConf):
-        _target_: str = f"{_HERE}.MegalmSlurmLauncher"
+    class _PerJobResourcesConf:
+        """RESOURCE_KEYS unset by default: each job's own `job_resources` fill them."""
         nodes: Optional[int] = None
         tasks_per_node: Optional[int] = None
         gpus_per_node: Optional[int] = None
 
     @dataclass
-    class MegalmLocalConf(LocalQueueConf):
+    class MegalmSlurmConf(_PerJobResourcesConf, SlurmQueueConf):
+        _target_: str = f"{_HERE}.MegalmSlurmLauncher"
+
+    @dataclass
+    class MegalmLocalConf(_PerJobResourcesConf, LocalQueueConf):
         _target_: str = f"{_HERE}.MegalmLocalLauncher"
-        nodes: Optional[int] = None
-        tasks_per_node: Optional[int] = None
-        gpus_per_node: Optional[int] = None
 
     ConfigStore.instance().store(group="hydra/launcher", name="megalm_slurm", node=MegalmSlurmConf(),
                                  provider="megalm")
