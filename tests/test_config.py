@@ -30,6 +30,8 @@ EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.mo
 # BERT reads sentences, not the default code corpus; bert_tiny's 256 ids fit only mock data.
 EXTRA.update({("model", n): ["data=stdlib_prose"] for n in group_files("model") if n.startswith("bert_")})
 EXTRA[("model", "bert_tiny")] = ["data=mock"]
+EXTRA.update({("model", n): ["data=stdlib_prose_t5"] for n in group_files("model") if n.startswith("t5_")})
+EXTRA[("model", "t5_tiny")] = ["data=mock"]
 EXTRA[("data", "sft")] = ["data.paths=[/x/train.jsonl]", "data.tokenizer.model=/tok.model"]
 EXTRA[("data", "classification")] = ["model=bert_cpu", "model.num_labels=2", "data.labels=[neg,pos]",
                                      "data.paths=[/x/train.jsonl]", "data.tokenizer.model=/tok.model"]

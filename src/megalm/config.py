@@ -46,7 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     """Epsilon of the normalization layers."""
     activation: str = "gelu"
-    """gelu (tanh approximation: GPT-2's) | gelu_exact (erf: BERT's, Megatron's default) | swiglu."""
+    """gelu (tanh approximation: GPT-2's) | gelu_exact (erf: BERT's, Megatron's default) | relu | swiglu."""
     bias: bool = True
     """Biases in linear layers and LayerNorm (GPT-2/3: true, Llama: false)."""
     dropout: float = 0.0

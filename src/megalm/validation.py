@@ -16,9 +16,8 @@ from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 
 
 CHOICES = {
-    "model.position_embedding": ("learned", "rope"),
     "model.normalization": ("layernorm", "rmsnorm"),
-    "model.activation": ("gelu", "gelu_exact", "swiglu"),
+    "model.activation": ("gelu", "gelu_exact", "relu", "swiglu"),
     "model.transformer_impl": ("local", "te"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),

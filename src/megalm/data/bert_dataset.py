@@ -17,7 +17,7 @@ masked positions, IGNORE elsewhere), loss_mask (1.0 at masked positions), is_ran
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
@@ -78,11 +78,17 @@ def continuing_pieces(tokenizer) -> Optional[np.ndarray]:
     return marks if marks.any() else None
 
 
-def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
-              token_lookup: Sequence[int], continues_word: Optional[np.ndarray] = None):
-    """megatron-core's _create_masked_lm_predictions (defaults: whole words, n-grams up to 3, no
-    permutation): (masked tokens, sorted masked positions, their original ids).
+def choose_spans(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
+                 mask_token: Callable[[np.random.RandomState], Optional[int]], continues_word: Optional[np.ndarray] = None,
+                 max_ngram: int = MAX_NGRAM, geometric: bool = False):
+    """megatron-core's _create_masked_lm_predictions (whole words, no permutation): (masked tokens,
+    the masked spans as lists of positions, in the order chosen).
 
+    Up to 15% of the tokens (of target_length), in spans of n whole words: n drawn with P(n)
+    proportional to 1/n up to max_ngram, or (geometric, SpanBERT's and T5's) from a geometric
+    distribution with p = 0.2 clipped at max_ngram; a span too long for the budget shrinks, one
+    overlapping a chosen one is passed over. `mask_token(rng)` gives each masked position its new
+    id (None: keep it), drawing from the sample's generator in megatron-core's order.
     `continues_word[id]`: the id continues the previous token's word (WordPiece "##"); None: every
     token starts a word."""
     candidates: List[List[int]] = []
@@ -94,26 +100,30 @@ def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState,
         else:
             candidates.append([i])
     n_maskings = min(MASKING_PROBABILITY * target_length, max(1, int(round(len(tokens) * MASKING_PROBABILITY))))
-    ngram_sizes = np.arange(MAX_NGRAM, dtype=np.int64) + 1
+    ngram_sizes = np.arange(max_ngram, dtype=np.int64) + 1
     probs = 1.0 / ngram_sizes
     probs = probs / probs.sum(keepdims=True)
-    # For each candidate word, its 1..MAX_NGRAM-word spans (fewer near the end), in shuffled order.
+    # For each candidate word, its 1..max_ngram-word spans (shorter near the end), in shuffled order.
     spans = [[candidates[i:i + n] for n in ngram_sizes] for i in range(len(candidates))]
     rng.shuffle(spans)
     masked = list(tokens)
-    chosen: List[tuple] = []
+    chosen: List[List[int]] = []
+    count = 0
     taken: set = set()
     for grams in spans:
-        if len(chosen) >= n_maskings:
+        if count >= n_maskings:
             break
         if not grams:
             continue
-        p = probs[:len(grams)] / probs[:len(grams)].sum(keepdims=True)
-        n = rng.choice(ngram_sizes[:len(grams)], p=p)
+        if geometric:
+            n = min(rng.geometric(0.2), max_ngram)
+        else:
+            p = probs[:len(grams)] / probs[:len(grams)].sum(keepdims=True)
+            n = rng.choice(ngram_sizes[:len(grams)], p=p)
         while True:  # the longest span of at most n words that still fits the budget
             positions = sum(grams[n - 1], [])
             n -= 1
-            if n_maskings >= len(chosen) + len(positions):
+            if n_maskings >= count + len(positions):
                 break
             if n == 0:
                 positions = None
@@ -122,16 +132,30 @@ def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState,
             continue
         for i in positions:
             taken.add(i)
-            if rng.random() < 0.8:
-                masked[i] = specials.mask
-            elif rng.random() >= 0.5:
-                masked[i] = token_lookup[rng.randint(0, len(token_lookup))]
-            # else: the token is kept (and still predicted)
-            chosen.append((i, tokens[i]))
+            new = mask_token(rng)
+            if new is not None:
+                masked[i] = new
+        count += len(positions)
+        chosen.append(positions)
     # (megatron-core shuffles the spans once more here, for its permutation option; nothing draws
     # from the sample's generator after that, so it is left out.)
-    chosen.sort(key=lambda pair: pair[0])
-    return masked, [i for i, _ in chosen], [t for _, t in chosen]
+    return masked, chosen
+
+
+def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
+              token_lookup: Sequence[int], continues_word: Optional[np.ndarray] = None):
+    """BERT's masking (megatron-core's defaults: whole words, n-grams up to 3, no permutation), each
+    masked token replaced by [MASK] 80% of the time, a random id 10%, kept 10%: (masked tokens,
+    sorted masked positions, their original ids)."""
+    def bert_mask(rng: np.random.RandomState) -> Optional[int]:
+        if rng.random() < 0.8:
+            return specials.mask
+        if rng.random() >= 0.5:
+            return token_lookup[rng.randint(0, len(token_lookup))]
+        return None  # kept (and still predicted)
+    masked, spans = choose_spans(tokens, target_length, rng, specials, bert_mask, continues_word)
+    positions = sorted(i for span in spans for i in span)
+    return masked, positions, [tokens[i] for i in positions]
 
 
 def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int, rng: np.random.RandomState,

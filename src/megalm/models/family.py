@@ -18,6 +18,7 @@ from megalm.errors import ConfigError
 FAMILY_MODULES: Dict[str, str] = {
     "gpt": "megalm.models.gpt",
     "bert": "megalm.models.bert",
+    "t5": "megalm.models.t5",
 }
 """model.arch -> the module defining its FAMILY; a new family adds its line here."""
 
@@ -39,7 +40,8 @@ class Parts:
     last: Tuple[str, ...] = ()
     """Attributes only the last stage holds (final norm, output head, loss)."""
     selective: Tuple[str, ...] = ()
-    """Parameter-free submodules of a layer that selective recomputation checkpoints (the attention core)."""
+    """Parameter-free submodules of a layer that selective recomputation checkpoints (the attention core);
+    each layer checkpoints those it has."""
 
 
 @dataclass(frozen=True)

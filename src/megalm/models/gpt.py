@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.errors import ConfigError
+from megalm.errors import ConfigError, did_you_mean
 from megalm.models.family import Family, Part, Parts
 from megalm.models.flops import flops_per_token as transformer_flops
 from megalm.models.fused_loss import LMHead
@@ -26,6 +26,7 @@ from megalm.models.layers import Block, Embedding, KVCache, build_norm, rope_tab
 
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary
+POSITION_EMBEDDINGS = ("learned", "rope")
 
 
 @dataclass
@@ -239,6 +240,9 @@ def validate(cfg, world_size: int) -> None:
     if cfg.data.source == "qa":
         raise ConfigError("data.source=qa trains BERT's span head (model=bert_* model.span_head=true); fine-tune GPT "
                           "for question answering with data=sft")
+    if m.position_embedding not in POSITION_EMBEDDINGS:
+        raise ConfigError(f"model.position_embedding={m.position_embedding!r} is not one of "
+                          f"{', '.join(POSITION_EMBEDDINGS)}{did_you_mean(str(m.position_embedding), POSITION_EMBEDDINGS)}")
     if m.head_dim % 2 and m.position_embedding == "rope":
         raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
 

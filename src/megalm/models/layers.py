@@ -128,11 +128,11 @@ class AttentionCore(nn.Module):
 
 
 class MLP(nn.Module):
-    """GELU MLP (GPT-2) or SwiGLU (arXiv:2002.05202) with gate and up stacked in one linear."""
+    """GELU MLP (GPT-2), ReLU (the original T5) or SwiGLU (arXiv:2002.05202) with gate and up stacked in one linear."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gated = cfg.activation == "swiglu"
+        self.gated, self.relu = cfg.activation == "swiglu", cfg.activation == "relu"
         self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
         width = cfg.ffn_size * (2 if self.gated else 1)
         self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
@@ -144,6 +144,8 @@ class MLP(nn.Module):
         if self.gated:
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
+        elif self.relu:
+            h = F.relu(h)
         else:
             h = F.gelu(h, approximate=self.approximate)
         return self.dropout(self.fc2(h))

@@ -61,7 +61,10 @@ def apply_recompute(model: nn.Module, cfg: ParallelConfig, layout) -> None:
     if cfg.recompute == "selective":
         for layer in layers.values():
             for path in parts.selective:
-                inner = layer.get_submodule(path)
+                try:
+                    inner = layer.get_submodule(path)
+                except AttributeError:  # a layer kind without it (T5's encoder layers have no cross-attention)
+                    continue
                 # Inside a tp fork the checkpoint saves the fork's stream as the RNG it restores.
                 recompute_forward(inner.inner if isinstance(inner, ForkRNG) else inner)
         return

@@ -1,0 +1,200 @@
+"""The T5 family's model and its span-corruption samples, on one process.
+
+The layouts are tested against the single process in test_t5_layouts.py; here: what the model
+computes (attention masks, relative position buckets against Hugging Face's own T5 function, FLOPs
+against torch's FLOP counter) and what a sample holds (megatron-core's span-corruption layout).
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megalm.data.t5_dataset import MockT5Dataset, T5Specials, t5_sample, t5_specials
+from megalm.errors import ConfigError, DataError
+from megalm.models.losses import IGNORE
+from megalm.models.t5 import T5, T5Config, flops_per_token, init_weights, relative_buckets
+
+from test_parallel_model import load
+
+
+def tiny(**kw) -> T5Config:
+    fields = dict(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=200,
+                  make_vocab_size_divisible_by=8, decoder_seq_length=12)
+    fields.update(kw)
+    return T5Config(**fields)
+
+
+def model_of(cfg: T5Config, seed: int = 3) -> T5:
+    torch.manual_seed(0)
+    model = T5(cfg)
+    init_weights(model, cfg, seed)
+    return model.eval()
+
+
+def batch(cfg: T5Config, B: int = 3):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 90, (B, cfg.seq_length), generator=g)
+    padding = torch.ones(B, cfg.seq_length, dtype=torch.long)
+    padding[0, 15:] = 0
+    padding[1, 7:] = 0
+    decoder = torch.randint(3, 90, (B, cfg.decoder_seq_length), generator=g)
+    return tokens, padding, decoder
+
+
+@pytest.mark.parametrize("positions", ["learned", "relative"])
+def test_padding_is_invisible_and_the_decoder_causal(positions):
+    cfg = tiny(position_embedding=positions)
+    model = model_of(cfg)
+    tokens, padding, decoder = batch(cfg)
+    with torch.no_grad():
+        out = model(tokens, padding, decoder)
+        assert out.shape == (3, cfg.decoder_seq_length, cfg.padded_vocab_size)
+        # Whatever the encoder's padded positions hold changes nothing.
+        other = tokens.clone()
+        other[padding == 0] = 5
+        torch.testing.assert_close(model(other, padding, decoder), out, rtol=0, atol=0)
+        # A decoder token changes the logits from its position on, never before.
+        later = decoder.clone()
+        later[:, 6] = 7
+        changed = model(tokens, padding, later)
+        torch.testing.assert_close(changed[:, :6], out[:, :6], rtol=0, atol=0)
+        assert (changed[:, 6:] - out[:, 6:]).abs().max() > 1e-3
+        # An encoder token the mask keeps reaches every decoder position (cross-attention).
+        moved = tokens.clone()
+        moved[2, 3] = 80
+        assert (model(moved, padding, decoder)[2, 0] - out[2, 0]).abs().max() > 1e-4
+
+
+def test_relative_buckets_are_hugging_face_t5s():
+    from transformers.models.t5.modeling_t5 import T5Attention
+    relative = torch.arange(-300, 301)[None, :] - torch.zeros(1, dtype=torch.long)[:, None]
+    for bidirectional in (True, False):
+        for buckets, distance in ((32, 128), (16, 40), (8, 20)):
+            ours = relative_buckets(relative, bidirectional, buckets, distance)
+            theirs = T5Attention._relative_position_bucket(relative, bidirectional=bidirectional, num_buckets=buckets,
+                                                           max_distance=distance)
+            assert torch.equal(ours, theirs), (bidirectional, buckets, distance)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(position_embedding="relative", activation="relu", bias=False),
+                                dict(encoder_num_layers=1, activation="swiglu", num_query_groups=2),
+                                dict(kv_channels=16)])
+def test_flops_per_token_is_what_torch_counts(kw):
+    """megalm's FLOPs definition (per encoder token) against torch's FLOP counter over a forward and
+    backward: both count every matmul (self- and cross-attention scores included) and nothing else."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+    cfg = tiny(**kw)
+    model = model_of(cfg).train()
+    tokens, padding, decoder = batch(cfg, B=2)
+    # SDPA's math kernel: attention as plain matmuls, which the counter sees (its CPU kernels it does not).
+    with FlopCounterMode(display=False) as counter, sdpa_kernel(SDPBackend.MATH):
+        model(tokens, padding, decoder).float().sum().backward()
+    assert counter.get_total_flops() == pytest.approx(flops_per_token(cfg) * tokens.numel(), rel=1e-9)
+
+
+def test_t5_config_errors_name_the_value():
+    with pytest.raises(ConfigError, match="model.position_embedding='rope' is not one of learned, relative"):
+        _validate("model.position_embedding=rope")
+    with pytest.raises(ConfigError, match="model.encoder_num_layers=4 must leave both stacks a layer"):
+        _validate("model.encoder_num_layers=4")
+    with pytest.raises(ConfigError, match="data.source='stdlib'"):
+        _validate("data=stdlib")
+
+
+def _validate(*overrides):
+    from megalm.validation import validate
+    validate(load("model=t5_tiny", "data=mock", *overrides), 1)
+
+
+# -- samples --------------------------------------------------------------------------------
+SPECIALS = T5Specials(bos=1, eos=2, pad=0, sentinels=tuple(range(199, 99, -1)))
+
+
+def _rebuild(sample, specials=SPECIALS):
+    """The original tokens from a sample: each sentinel of the encoder's input replaced by its span,
+    read from the decoder's targets."""
+    labels = sample["labels"][sample["loss_mask"] > 0].tolist()
+    spans, current = {}, None
+    for t in labels[:-1]:
+        if t in specials.sentinels:
+            current = spans.setdefault(t, [])
+        else:
+            current.append(t)
+    encoder = sample["tokens"][sample["padding_mask"] > 0].tolist()
+    return [t for e in encoder for t in (spans[e] if e in specials.sentinels else [e])], spans
+
+
+def test_span_corruption_layout():
+    tokens = list(range(10, 70))  # 60 tokens, each its own word
+    sentences = [tokens[:25], tokens[25:]]
+    seen_long = False
+    for seed in range(40):
+        rng = np.random.RandomState(seed)
+        s = t5_sample(sentences, 60, 64, 32, rng, SPECIALS)
+        d = int(s["loss_mask"].sum())
+        dec, labels = s["decoder_tokens"], s["labels"]
+        # The decoder reads [BOS] then its targets shifted by one; the targets end in [EOS].
+        assert dec[0] == SPECIALS.bos and labels[d - 1] == SPECIALS.eos
+        assert dec[1:d].tolist() == labels[:d - 1].tolist()
+        assert (labels[d:] == IGNORE).all() and (dec[d:] == SPECIALS.pad).all()
+        rebuilt, spans = _rebuild(s)
+        assert rebuilt == tokens  # nothing lost, nothing added
+        # Sentinels in order, one a span; 15% of the 60 tokens masked (9), at most.
+        order = [t for t in labels[:d].tolist() if t in SPECIALS.sentinels]
+        assert order == list(SPECIALS.sentinels[:len(order)])
+        masked = sum(len(v) for v in spans.values())
+        assert 1 <= masked <= 9
+        seen_long |= max(len(v) for v in spans.values()) > 3  # BERT's n-grams stop at 3
+        assert s["padding_mask"].sum() == 60 - masked + len(spans)
+    assert seen_long
+
+
+def test_span_corruption_keeps_wordpiece_words_whole():
+    # "##" pieces continue the previous word: ids 50-59 continue, so every masked span that holds a
+    # piece also holds the word it belongs to.
+    continues = np.zeros(200, dtype=bool)
+    continues[50:60] = True
+    tokens = [10, 50, 51, 11, 12, 52, 13, 53, 54, 55, 14, 15, 56, 16, 57, 17, 18, 58, 19, 20]
+    for seed in range(30):
+        s = t5_sample([tokens], 20, 24, 16, np.random.RandomState(seed), SPECIALS, continues)
+        rebuilt, spans = _rebuild(s)
+        assert rebuilt == tokens
+        for span in spans.values():
+            assert not continues[span[0]]  # a span never starts inside a word
+            start = next(i for i in range(len(tokens)) if tokens[i:i + len(span)] == span)
+            end = start + len(span)
+            assert end == len(tokens) or not continues[tokens[end]]  # nor ends inside one
+
+
+def test_sample_too_long_for_the_decoder_is_an_error():
+    with pytest.raises(DataError, match="model.decoder_seq_length=4"):
+        t5_sample([list(range(10, 70))], 60, 64, 4, np.random.RandomState(0), SPECIALS)
+
+
+def test_mock_samples_are_fixed_by_seed_and_index():
+    class Null:
+        vocab_size = 256
+
+        def pieces(self):
+            return None
+    a = MockT5Dataset(Null(), 32, 16, seed=5)
+    b = MockT5Dataset(Null(), 32, 16, seed=5)
+    assert all(np.array_equal(a[7][k], b[7][k]) for k in a[7])
+    assert not np.array_equal(a[7]["tokens"], a[8]["tokens"])
+    specials = t5_specials(Null())
+    assert specials.sentinels[0] == 255 and specials.sentinels[99] == 156  # Hugging Face T5's order
+    assert set(a[3]["tokens"].tolist()) - {0} <= set(range(3, 256))
+
+
+def test_tokenizer_without_sentinels_is_refused():
+    class Pieces:
+        identity, origin, vocab_size = "sp:abc", None, 10
+
+        def pieces(self):
+            return ["<unk>", "<s>", "</s>", "<pad>"] + ["a"] * 6
+
+        def token_to_id(self, name):
+            return {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}.get(name)
+    with pytest.raises(DataError, match=r"lacks <extra_id_0>, <extra_id_1>, \.\.\."):
+        t5_specials(Pieces())
