@@ -6,73 +6,121 @@ Each rank joins one process group (gloo, over a FileStore in a temp dir), runs f
 back its return value (CPU tensors and plain Python values). A rank that raises fails the
 test with its traceback; one that dies without reporting (a crash, a kill) fails it as soon as
 its process is gone, with its exit code.
+
+Starting N processes that import torch costs seconds (14 s for 8 ranks on two cores), far more
+than most functions run, so the ranks of a world size are kept for the session and take one
+call after another: before each call every rank's torch seed and thread count are reset to a
+fresh process's, and compiled graphs are dropped. A call that fails (a rank raising, dying or
+timing out) ends that set of ranks, and the next call of its size starts a fresh one.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
 import queue as queue_module
+import shutil
+import sys
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, fn: Callable, args: tuple, queue) -> None:
-    torch.set_num_threads(1)
+def _worker(rank: int, world_size: int, store_path: str, inbox, outbox) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
+    seed = torch.initial_seed()
     try:
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
-        # Pickled here, by value: the queue's own pickler would share tensor storage through
-        # file descriptors, which the parent cannot fetch once this process has exited.
-        queue.put((rank, "ok", pickle.dumps(out)))
-        # No rank tears its sockets down while another may still be connecting to it: gloo's
-        # full-mesh set-up can finish on one side first, and a rank whose fn is quick would
-        # otherwise close the pair under its peer ("Connection closed by peer").
-        if dist.is_initialized():
-            dist.barrier()
-    except BaseException:  # report everything, including assertion failures inside fn
-        queue.put((rank, "error", traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException:
+        outbox.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        job = inbox.get()
+        if job is None:
+            break
+        torch.set_num_threads(1)
+        torch.manual_seed(seed)
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
+        try:
+            fn, args = pickle.loads(job)
+            out = fn(rank, world_size, *args)
+            # Pickled here, by value: the queue's own pickler would share tensor storage through
+            # file descriptors, which the parent cannot fetch once this process has exited.
+            outbox.put((rank, "ok", pickle.dumps(out)))
+        except BaseException:  # report everything, including assertion failures inside fn
+            outbox.put((rank, "error", traceback.format_exc()))
+            return  # the caller ends this set of ranks: the others may hang in a collective
+    # No rank tears its sockets down while another may still be connecting to it.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
-def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0) -> List[Any]:
-    """fn must be a module-level function (it is pickled into spawned processes).
+class _Ranks:
+    """One process a rank, in one gloo group, waiting for calls."""
 
-    The queue is read in short slices, and between them every rank's process is checked: one
-    that exited without reporting (a segfault, an OOM kill, os._exit) fails the call at once,
-    naming the rank and its exit code, instead of when `timeout` (for the whole call) runs out.
-    """
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        store_path = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, fn, args, queue), daemon=True)
-                 for r in range(world_size)]
-        for p in procs:
+    def __init__(self, world_size: int):
+        ctx = mp.get_context("spawn")
+        self.tmp = tempfile.mkdtemp(prefix="ranks")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(self.tmp, "store"),
+                                                        self.inboxes[r], self.outbox), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
             p.start()
-        results: List[Any] = [None] * world_size
-        errors = _collect(procs, queue, results, timeout)
-        for p in procs:
-            p.join(timeout=1 if errors else timeout)  # after an error the rest usually hang in a collective
+
+    def close(self, kill: bool) -> None:
+        if not kill:
+            for q in self.inboxes:
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=1 if kill else 30)
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        if errors:
-            raise AssertionError("\n".join(errors))
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (0, None)]
-        if bad:
-            raise AssertionError(f"ranks exited abnormally: {bad}")
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+_RANKS: Dict[int, _Ranks] = {}
+
+
+@atexit.register
+def _close_all() -> None:
+    for ranks in _RANKS.values():
+        ranks.close(kill=False)
+    _RANKS.clear()
+
+
+def run_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0) -> List[Any]:
+    """fn must be a module-level function (it is pickled into the rank processes).
+
+    The answers are read in short slices, and between them every rank's process is checked: one
+    that exited without reporting (a segfault, an OOM kill, os._exit) fails the call at once,
+    naming the rank and its exit code, instead of when `timeout` (for the whole call) runs out.
+    """
+    ranks = _RANKS.get(world_size)
+    if ranks is None or any(p.exitcode is not None for p in ranks.procs):
+        if ranks is not None:
+            ranks.close(kill=True)
+        ranks = _RANKS[world_size] = _Ranks(world_size)
+    job = pickle.dumps((fn, args))
+    for q in ranks.inboxes:
+        q.put(job)
+    results: List[Any] = [None] * world_size
+    errors = _collect(ranks.procs, ranks.outbox, results, timeout)
+    if errors:
+        del _RANKS[world_size]
+        ranks.close(kill=True)
+        raise AssertionError("\n".join(errors))
     return results
 
 
