@@ -207,7 +207,7 @@ LLAMA_HF = dict(model_type="llama", hidden_size=32, num_attention_heads=4, num_h
 
 
 @pytest.mark.parametrize("hf,match", [
-    (dict(model_type="t5"), r"model_type='t5'.*allowed: 'gpt2'.*'llama'.*'bert' \(BertForPreTraining\)"),
+    (dict(model_type="bart"), r"model_type='bart'.*allowed: 'gpt2'.*'llama'.*'bert' \(BertForPreTraining\).*'t5'"),
     (dict(model_type="bert", position_embedding_type="relative_key"), r"position_embedding_type='relative_key'"),
     (dict(LLAMA_HF, hidden_act="gelu"), r"hidden_act='gelu'.*allowed: 'silu'"),
     (dict(LLAMA_HF, rope_scaling={"rope_type": "llama3", "factor": 8.0}), r"rope_type='llama3'.*'default'"),
@@ -431,4 +431,84 @@ def test_bert_export_refuses_the_pre_ln_layout():
     cfg = BertConfig(name="b", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, vocab_size=V)
     with pytest.raises(UnsupportedArchitecture, match=r"model.norm_position='pre' cannot be represented as "
                                                       r"BertForPreTraining.*allowed: 'post'"):
+        export_arch(cfg)
+
+
+# -- T5: T5ForConditionalGeneration ----------------------------------------------------------------
+def _t5_batch(seed=3):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, V, (2, T), generator=g)
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, 9:] = 0  # padding in the second sample: the encoder's key mask matters
+    decoder = torch.randint(0, V, (2, 7), generator=g)
+    return tokens, mask, decoder
+
+
+@pytest.mark.parametrize("proj,tied", [("relu", True), ("gated-silu", False), ("gelu", True)])
+def test_t5_import_matches_transformers_and_round_trips(tmp_path, proj, tied):
+    """Random weights (every tensor matters); tie_word_embeddings true is the original T5's scaled
+    output (imported as an untied megalm head), false v1.1's unscaled one."""
+    hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=V, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=3,
+                                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                   dropout_rate=0.0, feed_forward_proj=proj, tie_word_embeddings=tied)
+    hf = transformers.T5ForConditionalGeneration(config).eval()
+    _randomize(hf)
+    hf.save_pretrained(hf_dir)
+    tokens, mask, decoder = _t5_batch()
+    with torch.no_grad():
+        want = hf(input_ids=tokens, attention_mask=mask, decoder_input_ids=decoder).logits
+
+    out, cfg = import_from_hf(hf_dir, ckpt, name="t5_imported", seq_length=T)
+    assert (cfg.arch, cfg.encoder_layers, cfg.decoder_layers, cfg.tie_embeddings) == ("t5", 2, 3, not tied)
+    model = _megalm_from(ckpt / "step_00000000", cfg)
+    with torch.no_grad():
+        logits = model(tokens, mask, decoder)
+    torch.testing.assert_close(logits[..., :V], want, rtol=1e-4, atol=1e-4)
+
+    if tied:  # an untied megalm head (the scaled output) is what transformers cannot hold: refused, named
+        with pytest.raises(UnsupportedArchitecture, match="model.tie_embeddings=False"):
+            export_to_hf(ckpt, back, config=ckpt / "config.yaml")
+        return
+    export_to_hf(ckpt, back, config=ckpt / "config.yaml")
+    again = transformers.T5ForConditionalGeneration.from_pretrained(back).eval()
+    with torch.no_grad():
+        got = again(input_ids=tokens, attention_mask=mask, decoder_input_ids=decoder).logits
+    # Not bitwise: the queries went through x sqrt(d_kv) and back (sqrt(8) rounds in float32).
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_t5_trained_by_megalm_exports_with_its_logits(tmp_path):
+    """A megalm T5 in Hugging Face's layout (relative buckets, RMSNorm, no biases), its weights drawn by
+    megalm: the export gives transformers the same logits."""
+    from megalm.models.t5 import T5Config
+    cfg = T5Config(name="t5_hf", num_layers=5, encoder_num_layers=3, hidden_size=32, num_attention_heads=4,
+                   seq_length=T, decoder_seq_length=8, vocab_size=V, make_vocab_size_divisible_by=8,
+                   position_embedding="relative", normalization="rmsnorm", bias=False, head_bias=False,
+                   activation="swiglu", relative_attention_num_buckets=8, relative_attention_max_distance=20)
+    model = build_model(cfg)
+    init_weights(model, cfg, seed=4)
+    with torch.no_grad():  # norms away from 1, so a misplaced norm shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.mul_(1.0 + 0.2 * torch.rand(p.shape))
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create({"model": OmegaConf.structured(cfg)})))
+    Checkpointer(CheckpointConfig(dir=str(run / "checkpoints")), run).save(0, model, build_optimizer(OptimizerConfig(), model), {})
+    out = export_to_hf(run, tmp_path / "hf", copy_tokenizer=False)
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
+    tokens, mask, decoder = _t5_batch()
+    with torch.no_grad():
+        want = model.eval()(tokens, mask, decoder)[..., :V]
+        got = hf(input_ids=tokens, attention_mask=mask, decoder_input_ids=decoder).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_t5_export_refuses_megatrons_layout():
+    from megalm.models.t5 import T5Config
+    cfg = T5Config(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=T, vocab_size=V)
+    with pytest.raises(UnsupportedArchitecture, match=r"model.position_embedding='learned' cannot be represented as "
+                                                      r"T5ForConditionalGeneration.*allowed: 'relative'"):
         export_arch(cfg)

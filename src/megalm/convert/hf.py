@@ -7,7 +7,7 @@ GPT-2 and Llama, models/bert_hf.py for BERT). A mapping module provides
     export_arch(cfg)           the model_type that computes exactly what cfg does, else an error
     hf_config(cfg, arch, dtype, eod)        its config.json
     model_config_from_hf(hf, name, seq_length)   the family's config of a config.json, else an error
-    rules(arch)                Rules (megalm.convert.rules): HF tensors joined into each megalm parameter
+    rules(arch, cfg)           Rules (megalm.convert.rules): HF tensors joined into each megalm parameter
     IGNORED                    a regex of HF tensors that are not weights (buffers)
     tied_copies(cfg)           HF tensors that may repeat a tied weight: HF name -> megalm name
 
@@ -114,7 +114,7 @@ def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int
 
 def expand_rules(arch: str, cfg: ModelConfig) -> Dict[str, Rule]:
     """megalm parameter name → its rule with "{i}" filled in, for every layer of cfg."""
-    return expand(_mapping(cfg.arch).rules(arch), cfg)
+    return expand(_mapping(cfg.arch).rules(arch, cfg), cfg)
 
 
 # -- configs ---------------------------------------------------------------------------------------

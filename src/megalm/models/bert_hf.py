@@ -54,7 +54,8 @@ def _rules() -> List[Rule]:
 RULES = {"bert": _rules()}
 
 
-def rules(arch: str) -> List[Rule]:
+def rules(arch: str, cfg=None) -> List[Rule]:
+    """The rules of `arch` (the same for every config: "{i}" stands for each layer)."""
     return RULES[arch]
 
 

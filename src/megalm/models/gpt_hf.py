@@ -95,7 +95,8 @@ RULES = {"gpt2": _gpt2_rules(), "llama": _llama_rules()}
 IGNORED = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
 
 
-def rules(arch: str) -> List[Rule]:
+def rules(arch: str, cfg=None) -> List[Rule]:
+    """The rules of `arch` (the same for every config: "{i}" stands for each layer)."""
     return RULES[arch]
 
 

@@ -388,4 +388,4 @@ FAMILY = Family(
     validate=validate, tp_plan=tp_plan, inputs=("tokens", "padding_mask", "decoder_tokens"),
     parts=Parts(layers="blocks", first=("embed", "enc_bias", "dec_bias"), last=("norm", "head", "criterion"),
                 selective=("attn.core", "cross.core")),
-    samples=samples, vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))
+    samples=samples, hf="megalm.models.t5_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))
