@@ -198,3 +198,87 @@ def test_tokenizer_without_sentinels_is_refused():
             return {"<unk>": 0, "<s>": 1, "</s>": 2, "<pad>": 3}.get(name)
     with pytest.raises(DataError, match=r"lacks <extra_id_0>, <extra_id_1>, \.\.\."):
         t5_specials(Pieces())
+
+
+# -- generation -----------------------------------------------------------------------------
+def test_greedy_generation_is_hugging_faces(tmp_path):
+    """A random Hugging Face T5, imported: megalm's greedy output (the encoder once, the decoder a token a
+    step over its KV cache and the cross-attention keys and values computed once) is transformers' own
+    greedy output, with and without the cache."""
+    import transformers
+    from megalm.convert import import_from_hf
+    from megalm.generate import generate_seq2seq_ids
+    from megalm.models import build_model
+    from megalm.training.checkpoint import load_model_weights
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                                   dropout_rate=0.0, feed_forward_proj="gated-silu", tie_word_embeddings=False)
+    hf = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0.0, 1.0 if p.ndim == 1 else 0.5)
+    hf.save_pretrained(tmp_path / "hf")
+    _, cfg = import_from_hf(tmp_path / "hf", tmp_path / "ckpt", seq_length=24)
+    model = build_model(cfg).eval()
+    load_model_weights(tmp_path / "ckpt" / "step_00000000", model)
+    source = [5, 17, 33, 2, 60, 61, 9, 14, 80, 3]
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([source]), max_new_tokens=12, do_sample=False, decoder_start_token_id=0,
+                          min_new_tokens=12, output_logits=True, return_dict_in_generate=True)
+    want = out.sequences[0, 1:].tolist()
+    for cache in (True, False):
+        got = list(generate_seq2seq_ids(model, source, bos=0, eos=None, max_new_tokens=12, temperature=0,
+                                        vocab_size=96, use_cache=cache))
+        assert got == want, cache
+    # Greedy ids of a random model repeat themselves; the logits of every step match too.
+    from megalm.models import KVCache
+    with torch.no_grad():
+        encoded = model.encode(torch.tensor([source]), torch.ones(1, len(source), dtype=torch.long))
+        cache = KVCache(cfg.num_layers, 1, cfg.kv_heads, cfg.decoder_seq_length, cfg.head_dim)
+        steps = [0] + want[:-1]
+        ours = torch.cat([model.decode(torch.tensor([[t]]), encoded, cache, k)[:, -1, :96] for k, t in enumerate(steps)])
+    torch.testing.assert_close(ours, torch.cat(out.logits), rtol=1e-4, atol=1e-4)
+
+
+def test_generation_stops_at_eos_and_the_decoder_length():
+    from megalm.generate import generate_seq2seq_ids
+    cfg = tiny()
+    model = model_of(cfg)
+    full = list(generate_seq2seq_ids(model, [5, 6, 7], bos=1, eos=None, max_new_tokens=100, temperature=0))
+    assert len(full) == cfg.decoder_seq_length - 1  # the decoder's positions, BOS included, end there
+    stop = full[3]
+    cut = list(generate_seq2seq_ids(model, [5, 6, 7], bos=1, eos=stop, max_new_tokens=100, temperature=0))
+    assert cut == full[:full.index(stop)]
+
+
+@pytest.mark.parametrize("positions", ["learned", "relative"])
+def test_cached_decoding_equals_the_training_forward(positions):
+    """The decoder over a KV cache, a chunk then a token at a time, gives the logits of one forward of
+    the whole sequence (the training path): positions, the causal bias and the cached keys line up."""
+    from megalm.models import KVCache
+    cfg = tiny(position_embedding=positions, num_layers=5, encoder_num_layers=2, num_query_groups=2)
+    model = model_of(cfg)
+    tokens, padding, decoder = batch(cfg, B=2)
+    with torch.no_grad():
+        full = model(tokens, padding, decoder)
+        encoded = model.encode(tokens, padding)
+        cache = KVCache(cfg.num_layers, 2, cfg.kv_heads, cfg.decoder_seq_length, cfg.head_dim)
+        parts = [model.decode(decoder[:, :4], encoded, cache, 0)]
+        parts += [model.decode(decoder[:, t:t + 1], encoded, cache, t) for t in range(4, cfg.decoder_seq_length)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_cli_reads_the_prompt_as_the_source(tmp_path, capsys):
+    from megalm.generate import generate_seq2seq_ids, load_for_generation, main
+    from megalm.train import run
+    run(load("model=t5_tiny", "data=mock", "logging.curves=false", "trainer.max_steps=2", "trainer.eval_interval=0",
+             "trainer.eval_steps=1", "trainer.progress_bar=false", "trainer.global_batch_size=8"), tmp_path, 1)
+    main([str(tmp_path), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", "6"])
+    out, err = capsys.readouterr()
+    assert "t5_tiny" in err and "source: '5 6 7 8'" in err
+    cfg, model, tok, _ = load_for_generation(tmp_path)
+    want = list(generate_seq2seq_ids(model, [5, 6, 7, 8], bos=1, eos=2, max_new_tokens=6, temperature=0,
+                                     vocab_size=tok.vocab_size))
+    assert out.strip() == " ".join(map(str, want))

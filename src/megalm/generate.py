@@ -2,7 +2,8 @@
 
 Loads the run's frozen config, its tokenizer and the latest checkpoint's weights, then decodes
 with a KV cache: the prompt is processed once, then one token per step attends to the cached
-keys and values. Sampling: temperature, then top-k, then top-p (nucleus, arXiv:1904.09751).
+keys and values. An encoder-decoder run (T5) reads the prompt as its source: the encoder runs
+once, the decoder starts from BOS and stops at EOS. Sampling: temperature, then top-k, then top-p (nucleus, arXiv:1904.09751).
 
 Mistakes in what the user asked for (an option out of range, a prompt the model cannot take, a
 run directory without a checkpoint) are MegalmErrors: one line on stderr, exit code 1.
@@ -103,6 +104,43 @@ def generate_ids(model, prompt: List[int], *, max_new_tokens: int, temperature: 
         pos += 1
 
 
+@torch.no_grad()
+def generate_seq2seq_ids(model, source: List[int], *, bos: int, eos: Optional[int], max_new_tokens: int,
+                         temperature: float = 0.8, top_k: int = 50, top_p: float = 0.95,
+                         vocab_size: Optional[int] = None, seed: int = 0, use_cache: bool = True) -> Iterator[int]:
+    """An encoder-decoder model's output for `source`, one id at a time: the encoder runs once (and each
+    decoder layer's cross-attention keys and values are computed once from it), then the decoder from
+    `bos`, a token a step over its KV cache; stops at eos, max_new_tokens or model.decoder_seq_length."""
+    from megalm.models import KVCache
+    cfg = model.cfg
+    device = next(model.parameters()).device
+    model.eval()
+    g = torch.Generator(device=device).manual_seed(seed)
+    vocab = vocab_size or cfg.vocab_size
+    check_prompt(source, vocab, cfg.seq_length + 1, what="the source", counted=" (the encoder's input)")
+    ids = torch.tensor([source], dtype=torch.long, device=device)
+    encoded = model.encode(ids, torch.ones_like(ids))
+    cache = KVCache(cfg.num_layers, 1, cfg.kv_heads, cfg.decoder_seq_length, cfg.head_dim, device=device,
+                    dtype=next(model.parameters()).dtype) if use_cache else None
+    out = torch.tensor([[bos]], dtype=torch.long, device=device)
+    logits = model.decode(out, encoded, cache, 0)[:, -1]
+    for pos in range(1, min(max_new_tokens, cfg.decoder_seq_length - 1) + 1):
+        if vocab_size is not None:
+            logits[:, vocab_size:] = float("-inf")  # padded rows are not tokens
+        nxt = sample_next(logits, temperature, top_k, top_p, g)
+        token = int(nxt.item())
+        if eos is not None and token == eos:
+            return
+        yield token
+        if pos == cfg.decoder_seq_length - 1:
+            return
+        if use_cache:
+            logits = model.decode(nxt[:, None], encoded, cache, pos)[:, -1]
+        else:
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            logits = model.decode(out, encoded)[:, -1]
+
+
 def load_for_generation(run_dir: Path, device: str = "cpu"):
     from megalm.data import load_tokenizer
     from megalm.models import build_model
@@ -161,6 +199,8 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _generate(args: argparse.Namespace) -> None:
     check_options(args)
     cfg, model, tok, state = load_for_generation(args.run_dir, _resolve_device(args.device))
+    if hasattr(model, "encode"):
+        return _generate_seq2seq(args, cfg, model, tok, state)
     # Training packs documents after an end-of-document token, so eod is the start-of-text marker.
     prompt = [tok.eod] + tok.encode(args.prompt)
     room = check_prompt(prompt, tok.vocab_size, cfg.model.seq_length,
@@ -189,6 +229,24 @@ def _generate(args: argparse.Namespace) -> None:
                 sys.stdout.flush()
                 printed = text
         sys.stdout.write(tok.decode(prompt + pending)[len(base):][len(printed):] + "\n")
+        sys.stdout.flush()
+
+
+def _generate_seq2seq(args: argparse.Namespace, cfg, model, tok, state) -> None:
+    """An encoder-decoder run: --prompt is the encoder's input; the output is printed on its own."""
+    from megalm.data.t5_dataset import t5_specials
+    specials = t5_specials(tok)
+    source = tok.encode(args.prompt)
+    check_prompt(source, tok.vocab_size, cfg.model.seq_length + 1, what="--prompt", counted=" (the encoder's input)")
+    print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']}); source: {args.prompt!r}", file=sys.stderr)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"\n# --- sample {i + 1} ---")
+        ids = list(generate_seq2seq_ids(model, source, bos=specials.bos, eos=specials.eos,
+                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                        top_k=args.top_k, top_p=args.top_p, vocab_size=tok.vocab_size,
+                                        seed=args.seed + i, use_cache=not args.no_cache))
+        print(tok.decode(ids))
         sys.stdout.flush()
 
 

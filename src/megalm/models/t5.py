@@ -276,6 +276,43 @@ class T5(nn.Module):
         """The masked mean of the cross-entropy over the decoder's targets (batch labels, loss_mask)."""
         return self.criterion(output, batch["labels"], batch["loss_mask"])
 
+    # -- generation (one process): the encoder once, the decoder a chunk at a time with a KV cache ----
+    def encode(self, tokens: torch.Tensor, padding_mask: torch.Tensor) -> "Encoded":
+        """The encoder's output for (B, Te) tokens, with every decoder layer's cross-attention keys and
+        values computed from it once."""
+        enc = self.embed(tokens)
+        key_mask = padding_mask.bool()[:, None, None, :]
+        Te, Le = tokens.shape[1], self.cfg.encoder_layers
+        bias = self.enc_bias(Te, Te) if self.enc_bias is not None else None
+        for i in range(Le):
+            enc = self.blocks[str(i)](enc, key_mask, bias)
+        cross = [self.blocks[str(i)].cross.memory_kv(enc) for i in range(Le, self.cfg.num_layers)]
+        return Encoded(enc, key_mask, cross)
+
+    def decode(self, decoder_tokens: torch.Tensor, encoded: "Encoded", cache=None, start: int = 0) -> torch.Tensor:
+        """Logits (B, T, V) of decoder tokens at positions start.. over an encoded source; `cache` (a
+        megalm.models.KVCache of num_layers layers) holds the self-attention keys and values of the
+        positions before `start`."""
+        T, Le = decoder_tokens.shape[1], self.cfg.encoder_layers
+        if start + T > self.cfg.decoder_seq_length:
+            raise ValueError(f"decoder position {start + T} exceeds model.decoder_seq_length={self.cfg.decoder_seq_length}")
+        dec = self.embed(decoder_tokens, start)
+        bias = None
+        if self.dec_bias is not None:
+            bias = self.dec_bias(start + T, start + T)[:, :, start:]  # this chunk's queries over every key so far
+        for j, i in enumerate(range(Le, self.cfg.num_layers)):
+            dec = self.blocks[str(i)](dec, encoded.memory, encoded.key_mask, bias, cache, start, encoded.cross_kv[j])
+        return self.head(self.norm(dec))
+
+
+@dataclass
+class Encoded:
+    """A source run through the encoder: its output, its key mask and each decoder layer's cross-attention
+    keys and values."""
+    memory: torch.Tensor
+    key_mask: torch.Tensor
+    cross_kv: List[Tuple[torch.Tensor, torch.Tensor]]
+
 
 def init_weights(model: nn.Module, cfg: T5Config, seed: int) -> None:
     """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual output
@@ -372,9 +409,10 @@ def validate(cfg, world_size: int) -> None:
         if m.relative_attention_max_distance <= m.relative_attention_num_buckets // 4:
             raise ConfigError(f"model.relative_attention_max_distance={m.relative_attention_max_distance} must be "
                               f"above a quarter of the buckets ({m.relative_attention_num_buckets // 4})")
-    if cfg.data.source not in ("mock", "indexed", "stdlib_prose", "sft"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: T5 trains on span corruption of sentence-split text "
-                          "(data=mock, data=stdlib_prose, data=indexed) or on pairs (data=sft)")
+    if cfg.data.source not in ("mock", "indexed", "stdlib_prose"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: T5 trains on span corruption of sentence-split text: "
+                          "data=stdlib_prose_t5, data=indexed (a corpus from preprocess_data.py --split-sentences) "
+                          "or data=mock")
 
 
 def samples(cfg: T5Config):
