@@ -282,3 +282,42 @@ def test_generate_cli_reads_the_prompt_as_the_source(tmp_path, capsys):
     want = list(generate_seq2seq_ids(model, [5, 6, 7, 8], bos=1, eos=2, max_new_tokens=6, temperature=0,
                                      vocab_size=tok.vocab_size))
     assert out.strip() == " ".join(map(str, want))
+
+
+# -- fine-tuning pairs (data=sft) -----------------------------------------------------------
+def test_pair_sample_layout_and_errors():
+    from megalm.data.t5_dataset import pair_sample
+    s = pair_sample([10, 11, 12], [20, 21], 6, 4, SPECIALS, "f.jsonl:3")
+    assert s["tokens"].tolist() == [10, 11, 12, 0, 0, 0] and s["padding_mask"].tolist() == [1, 1, 1, 0, 0, 0]
+    assert s["decoder_tokens"].tolist() == [1, 20, 21, 0]
+    assert s["labels"].tolist() == [20, 21, 2, IGNORE] and s["loss_mask"].tolist() == [1, 1, 1, 0]
+    with pytest.raises(DataError, match=r"f.jsonl:3: a source of 3 tokens and a target of 4 .*decoder_seq_length=4"):
+        pair_sample([10, 11, 12], [20, 21, 22, 23], 6, 4, SPECIALS, "f.jsonl:3")
+    with pytest.raises(DataError, match="f.jsonl:3: the target is empty"):
+        pair_sample([10], [], 6, 4, SPECIALS, "f.jsonl:3")
+
+
+def test_t5_learns_pairs_from_json_lines(tmp_path):
+    """data=sft with T5: each line a (source, target) pair. The source is one id (of 18) repeated, the
+    target that id, then [EOS]: a decoder that does not read the source can do no better than
+    log(18) / 2 = 1.45 a token, so a validation loss far below that is the encoder's output reaching it."""
+    import json
+    from megalm.train import run
+    g = np.random.default_rng(0)
+    with open(tmp_path / "pairs.jsonl", "w") as f:
+        for _ in range(200):
+            src = [int(g.integers(3, 21))] * int(g.integers(3, 12))
+            f.write(json.dumps({"prompt": " ".join(map(str, src)), "response": str(src[0])}) + "\n")
+        f.write(json.dumps({"messages": [{"role": "user", "content": "1"}]}) + "\n")
+    common = ["model=t5_tiny", "data=sft", f"data.paths=[{tmp_path / 'pairs.jsonl'}]", "data.tokenizer.type='null'",
+              "data.tokenizer.vocab_size=256", "logging.curves=false", "trainer.eval_interval=0", "trainer.eval_steps=2",
+              "trainer.progress_bar=false", "trainer.global_batch_size=16", "trainer.micro_batch_size=16",
+              "data.split='90,10,0'", "optimizer.lr=3e-3", "optimizer.warmup_steps=5"]
+    with pytest.raises(DataError, match=r"pairs.jsonl:201: an encoder-decoder example is"):
+        run(load(*common, "trainer.max_steps=2"), tmp_path / "refused", 1)
+    lines = (tmp_path / "pairs.jsonl").read_text().splitlines()[:-1]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    loss = run(load(*common, "trainer.max_steps=120"), tmp_path / "run", 1)
+    records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert next(r["val_loss"] for r in records if "val_loss" in r) > 2.0  # it started knowing nothing
+    assert loss < 0.7

@@ -29,7 +29,7 @@ from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, g
 from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.sentences import split_sentences
-from megalm.data.sft import SFTDataset, pack_examples, read_examples
+from megalm.data.sft import SFTDataset, pack_examples, read_examples, read_records
 from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
 from megalm.errors import DataError
@@ -206,7 +206,7 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
         sets = [samples.mock(tokenizer, seq_length, seed, name, requested[name] or None) for name in _SPLITS]
         return DataBundle(tokenizer, sets[0], sets[1], sets[2], eod_mask_loss=cfg.eod_mask_loss)
     if cfg.source == "sft":
-        return _sft_data(cfg, tokenizer, seq_length, seed, requested)
+        return _sft_data(cfg, tokenizer, seq_length, seed, requested, samples)
     if cfg.source == "classification":
         return _classification_data(cfg, tokenizer, seq_length, seed, requested, samples)
     if cfg.source == "qa":
@@ -222,9 +222,14 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
 
 
 def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
-              requested: Mapping[str, Optional[int]]) -> DataBundle:
-    """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py)."""
-    examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template)
+              requested: Mapping[str, Optional[int]], samples: Any = None) -> DataBundle:
+    """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py); a family
+    with samples of its own (`samples.sft(tokenizer, seq_length)`: T5's source / target pairs) makes
+    each example's sample itself."""
+    if samples is not None and hasattr(samples, "sft"):
+        examples = read_records(cfg.paths, samples.sft(tokenizer, seq_length))
+    else:
+        examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template)
     parts = split_documents(len(examples), cfg.split)
 
     def rows(part: range):

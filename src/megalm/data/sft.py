@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -105,6 +105,20 @@ def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
     return examples
 
 
+def read_records(paths: Sequence[str], make: Callable[[dict, str], Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
+    """Each JSON-lines record of `paths` made into its sample by `make(record, where)` (a family's own
+    samples: T5's source / target pairs), in file order."""
+    examples = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise DataError(f"data.paths: {path} does not exist")
+        examples += [make(record, where) for where, record in json_lines(path)]
+    if not examples:
+        raise DataError(f"data.paths {list(paths)} hold no examples")
+    return examples
+
+
 def pack_examples(examples: Sequence[Tuple[np.ndarray, np.ndarray]], seq_length: int,
                   pad: int) -> List[Tuple[np.ndarray, ...]]:
     """Whole examples (as encode_example pads them) packed in order into sequences of
@@ -155,7 +169,8 @@ class EpochShuffle:
 
 class SFTDataset:
     """Samples of one split: dicts of tokens, labels (IGNORE where nothing is learned) and
-    loss_mask, each (seq_length,); from packed sequences also position_ids and segment_ids."""
+    loss_mask, each (seq_length,); from packed sequences also position_ids and segment_ids; or the
+    sample dicts a family made (read_records)."""
 
     def __init__(self, examples: Sequence[Tuple[np.ndarray, np.ndarray]], name: str, seed: int,
                  num_samples: Optional[int]):
@@ -174,7 +189,10 @@ class SFTDataset:
         from megalm.models.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
-        ids, learned, *packed = self.examples[self.order(i)]
+        example = self.examples[self.order(i)]
+        if isinstance(example, dict):  # a family's own sample (read_records)
+            return example
+        ids, learned, *packed = example
         labels = np.where(learned[1:], ids[1:], IGNORE)
         sample = {"tokens": ids[:-1], "labels": labels, "loss_mask": learned[1:].astype(np.float32)}
         if packed:

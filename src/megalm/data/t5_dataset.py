@@ -20,6 +20,9 @@ does not depend on the layout that reads it.
 Batch fields: tokens and padding_mask (the encoder's, padded to model.seq_length),
 decoder_tokens, labels (IGNORE on padding) and loss_mask (1.0 on the decoder's real tokens), all
 padded to model.decoder_seq_length.
+
+Fine-tuning pairs (data=sft: JSON lines of {"prompt": source, "response": target}) become the same
+fields: the encoder reads the source, the decoder `[BOS] target` and learns `target [EOS]`.
 """
 
 from __future__ import annotations
@@ -211,6 +214,30 @@ class T5Dataset:
                          self.continues_word)
 
 
+def pair_sample(source: List[int], target: List[int], seq_length: int, decoder_length: int, specials: T5Specials,
+                where: str = "a pair") -> Dict[str, np.ndarray]:
+    """A fine-tuning sample of a (source, target) pair: the encoder reads the source, the decoder
+    `[BOS] target` and learns `target [EOS]`; nothing is cut (a pair too long is an error naming it)."""
+    from megalm.models.losses import IGNORE
+    if not target:
+        raise DataError(f"{where}: the target is empty: nothing to learn")
+    if len(source) > seq_length or len(target) + 1 > decoder_length:
+        raise DataError(f"{where}: a source of {len(source)} tokens and a target of {len(target)} (+ [EOS]) do not "
+                        f"fit model.seq_length={seq_length} and model.decoder_seq_length={decoder_length}")
+    n, d = len(source), len(target) + 1
+    out = {"tokens": np.full(seq_length, specials.pad, dtype=np.int64),
+           "padding_mask": np.zeros(seq_length, dtype=np.int64),
+           "decoder_tokens": np.full(decoder_length, specials.pad, dtype=np.int64),
+           "labels": np.full(decoder_length, IGNORE, dtype=np.int64),
+           "loss_mask": np.zeros(decoder_length, dtype=np.float32)}
+    out["tokens"][:n] = source
+    out["padding_mask"][:n] = 1
+    out["decoder_tokens"][:d] = [specials.bos, *target]
+    out["labels"][:d] = [*target, specials.eos]
+    out["loss_mask"][:d] = 1.0
+    return out
+
+
 class T5Samples:
     """How the T5 family makes its samples (megalm.data.build_data's `samples`)."""
 
@@ -221,6 +248,19 @@ class T5Samples:
 
     def mock(self, tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
         return MockT5Dataset(tokenizer, seq_length, self.decoder_length, seed, name, num_samples)
+
+    def sft(self, tokenizer, seq_length: int):
+        """(JSON record, where) -> pair_sample: {"prompt": source, "response": target} (data=sft; the
+        source and target of a translation)."""
+        specials = t5_specials(tokenizer)
+
+        def make(record, where: str) -> Dict[str, np.ndarray]:
+            if not isinstance(record, dict) or not all(isinstance(record.get(k), str) for k in ("prompt", "response")):
+                raise DataError(f"{where}: an encoder-decoder example is {{\"prompt\": the source, \"response\": the "
+                                f"target}}, both strings (a chat of 'messages' needs a decoder model)")
+            return pair_sample(tokenizer.encode(record["prompt"]), tokenizer.encode(record["response"]), seq_length,
+                               self.decoder_length, specials, where)
+        return make
 
     def dataset(self, indexed, documents: range, *, tokenizer, seq_length: int, seed: int, name: str,
                 num_samples: Optional[int], cache_dir) -> T5Dataset:

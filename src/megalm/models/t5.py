@@ -409,10 +409,13 @@ def validate(cfg, world_size: int) -> None:
         if m.relative_attention_max_distance <= m.relative_attention_num_buckets // 4:
             raise ConfigError(f"model.relative_attention_max_distance={m.relative_attention_max_distance} must be "
                               f"above a quarter of the buckets ({m.relative_attention_num_buckets // 4})")
-    if cfg.data.source not in ("mock", "indexed", "stdlib_prose"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: T5 trains on span corruption of sentence-split text: "
-                          "data=stdlib_prose_t5, data=indexed (a corpus from preprocess_data.py --split-sentences) "
-                          "or data=mock")
+    if cfg.data.source not in ("mock", "indexed", "stdlib_prose", "sft"):
+        raise ConfigError(f"data.source={cfg.data.source!r}: T5 trains on span corruption of sentence-split text "
+                          "(data=stdlib_prose_t5, data=indexed with a corpus from preprocess_data.py --split-sentences, "
+                          "data=mock) or on source / target pairs (data=sft)")
+    if cfg.data.source == "sft" and cfg.data.packing:
+        raise ConfigError("data.packing=true packs examples for decoder models; T5 reads one pair a sample: "
+                          "set data.packing=false")
 
 
 def samples(cfg: T5Config):
