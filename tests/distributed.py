@@ -11,7 +11,8 @@ Starting N processes that import torch costs seconds (14 s for 8 ranks on two co
 than most functions run, so the ranks of a world size are kept for the session and take one
 call after another: before each call every rank's torch seed and thread count are reset to a
 fresh process's, and compiled graphs are dropped. A call that fails (a rank raising, dying or
-timing out) ends that set of ranks, and the next call of its size starts a fresh one.
+timing out) ends that set of ranks, and the next call of its size starts a fresh one. A function
+that patches a module or class for its run must put it back before it returns.
 """
 
 from __future__ import annotations

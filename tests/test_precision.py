@@ -74,8 +74,10 @@ def _fp16_with_inf_on_rank_1(rank, world, overrides, run_dir):
         return out
 
     DataParallel.finish, Trainer.train_step = finish_then_poison, step_and_compare
-    cfg = load(*overrides)
-    run(cfg, Path(run_dir), world)
+    try:
+        run(load(*overrides), Path(run_dir), world)
+    finally:  # the rank process serves later calls (tests/distributed.py)
+        DataParallel.finish, Trainer.train_step = original_finish, original_step
     return unchanged  # per step: (weights bitwise unchanged, optimizer state bitwise unchanged)
 
 
