@@ -2,7 +2,7 @@
 
     results = run_ranks(4, fn, arg1, arg2)    # fn(rank, world_size, *args) on every rank
 
-Each rank joins one process group (gloo, over a FileStore in a temp dir), runs fn, and sends
+Each rank joins one process group (gloo, over a TCPStore this process holds), runs fn, and sends
 back its return value (CPU tensors and plain Python values). A rank that raises fails the
 test with its traceback; one that dies without reporting (a crash, a kill) fails it as soon as
 its process is gone, with its exit code.
@@ -21,9 +21,7 @@ import atexit
 import os
 import pickle
 import queue as queue_module
-import shutil
 import sys
-import tempfile
 import time
 import traceback
 from typing import Any, Callable, Dict, List
@@ -33,12 +31,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_path: str, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, store_port: int, inbox, outbox) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
     seed = torch.initial_seed()
     try:
-        store = dist.FileStore(store_path, world_size)
+        store = dist.TCPStore("127.0.0.1", store_port, world_size, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     except BaseException:
         outbox.put((rank, "error", traceback.format_exc()))
@@ -70,11 +68,13 @@ class _Ranks:
 
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
-        self.tmp = tempfile.mkdtemp(prefix="ranks")
+        # The group's store lives here, in memory: every group a call creates adds keys to it, which a
+        # FileStore would read back from its ever longer file on each operation.
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, os.path.join(self.tmp, "store"),
-                                                        self.inboxes[r], self.outbox), daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.inboxes[r], self.outbox),
+                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -88,7 +88,6 @@ class _Ranks:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
-        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 _RANKS: Dict[int, _Ranks] = {}
