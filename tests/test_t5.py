@@ -321,3 +321,13 @@ def test_t5_learns_pairs_from_json_lines(tmp_path):
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert next(r["val_loss"] for r in records if "val_loss" in r) > 2.0  # it started knowing nothing
     assert loss < 0.7
+    # megalm.evaluate's generate task decodes each source (the encoder once, greedy from BOS to EOS) and
+    # scores the outputs: most are right, where chance is 1 in 18.
+    from megalm.evaluate import evaluate
+    with open(tmp_path / "eval.jsonl", "w") as f:
+        for k in range(3, 21):
+            f.write(json.dumps({"prompt": " ".join([str(k)] * 5), "reference": str(k)}) + "\n")
+    result = evaluate(tmp_path / "run", "generate", tmp_path / "eval.jsonl")
+    assert result["examples"] == 18 and result["exact_match"] > 0.5, result
+    with pytest.raises(ConfigError, match="encoder-decoder run .*its task is generate"):
+        evaluate(tmp_path / "run", "perplexity", tmp_path / "eval.jsonl")

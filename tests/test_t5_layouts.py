@@ -8,7 +8,8 @@ default) and T5's relative position buckets both run. The pipeline layouts put a
 between the stacks (pp2), inside the encoder ([1, 3]) and inside both (zbv: a layer a stage), so
 the encoder's output, its padding mask, the decoder's embedded input and the relative bias cross
 boundaries both ways; the tied head sits on another stage than the embedding. The checkpoint
-every layout writes loads into one process with the single process's weights.
+every layout writes loads into one process with the single process's weights, and the tp2 x pp2
+run's checkpoint after step 2 continues at pp2 (zbv) and dp2 (ZeRO-3) as the single process does.
 """
 
 import json
@@ -24,8 +25,11 @@ BASE = ["model=t5_tiny", "data=mock", "logging.curves=false", "trainer.micro_bat
         "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.eval_steps=1",
         "trainer.eval_interval=0", "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1",
         "optimizer.warmup_steps=1", "optimizer.lr=1e-2", "cluster.peak_flops=1e12", "trainer.grad_clip=1.0",
-        "parallel.bucket_size_mb=0.02"]
+        "parallel.bucket_size_mb=0.02", "checkpoint.interval=2", "optimizer.decay_steps=4"]
 POSITIONS = {"learned": [], "relative": ["model.position_embedding=relative"]}
+RESHARD_FROM = ["parallel=tp2_pp2", "parallel.sequence_parallel=true"]
+RESHARD_TO = {"pp2_zbv": ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"],
+              "dp2_zero3": ["parallel=dp2", "parallel.zero_stage=3"]}
 LAYOUTS = [
     ("learned", ["parallel.recompute=full"], 1),
     ("relative", ["parallel.recompute=selective"], 1),
@@ -86,7 +90,14 @@ def runs(tmp_path_factory):
         for k, name in enumerate(names):
             results[name] = [r[k] for r in per_rank]
     reloaded = run_ranks(1, _reload, [(str(dirs[n]), jobs[n][0]) for n in jobs], timeout=300)[0]
-    return {name: (dirs[name], results[name], reloaded[str(dirs[name])]) for name in jobs}
+    out = {name: (dirs[name], results[name], reloaded[str(dirs[name])]) for name in jobs}
+    # Resharding: the tp2 x pp2 (sp) run's step-2 checkpoint continues at other layouts.
+    saved = dirs[f"relative-{'-'.join(RESHARD_FROM)}"] / "checkpoints" / "step_00000002"
+    resumed = {name: tmp_path_factory.mktemp("t5_resumed") for name in RESHARD_TO}
+    run_ranks(2, _rank_runs, [([*BASE, *POSITIONS["relative"], *layout, f"checkpoint.load={saved}"], str(resumed[name]))
+                              for name, layout in RESHARD_TO.items()], timeout=600)
+    out.update({f"resumed-{name}": (d, None, None) for name, d in resumed.items()})
+    return out
 
 
 def test_single_t5_trains(runs):
@@ -117,3 +128,12 @@ def test_t5_layout_matches_single_process(runs, index):
     for name, w in weights.items():
         ref = ref_weights[name]
         assert (w - ref).norm() <= 1e-3 * ref.norm() + 1e-6, name
+
+
+@pytest.mark.parametrize("name", list(RESHARD_TO))
+def test_t5_checkpoint_continues_at_another_layout(runs, name):
+    """The tp2 x pp2 run's checkpoint after step 2 (each rank a quarter of the model: a tp shard of one
+    stack's stage) continues at another layout with the single process's steps 3 and 4."""
+    train, _ = _records(runs[f"resumed-{name}"][0])
+    ref_train, _ = _records(runs["single-relative"][0])
+    assert len(train) == 2 and train == pytest.approx(ref_train[2:], rel=1e-5)

@@ -56,6 +56,9 @@ def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: in
     `options`: _evaluate's keywords."""
     if tp < 1 or pp < 1 or dp < 1:
         raise ConfigError(f"--tp {tp}, --pp {pp} and --dp {dp} must be at least 1")
+    if tp * pp * dp > 1 and _encoder_decoder(Path(run_dir)):
+        raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch=t5): megalm.evaluate runs it on one "
+                          f"process; drop --tp {tp} --pp {pp} --dp {dp}")
     if tp * pp * dp > 1:
         from megalm.evaluate.layout import check_layout, on_ranks
         check_layout(Path(run_dir), tp, pp)  # before any rank starts
@@ -103,17 +106,23 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
     if getattr(cfg.model, "fine_tuning_head", False):
         raise ConfigError(f"{run_dir} is a fine-tuned classifier (no language-model head): score it with the "
                           "classify task")
-    if cfg.model.arch != "gpt":
-        raise ConfigError(f"megalm.evaluate scores decoder models (model.arch=gpt); {run_dir} is "
-                          f"model.arch={cfg.model.arch}")
+    if hasattr(model, "encode") and task != "generate":
+        raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={cfg.model.arch}): its task is generate "
+                          f"(a translation, scored by BLEU and chrF), not {task}")
+    if cfg.model.arch != "gpt" and not hasattr(model, "encode"):
+        raise ConfigError(f"megalm.evaluate scores decoder and encoder-decoder language models (model.arch=gpt, t5); "
+                          f"{run_dir} is model.arch={cfg.model.arch}")
     stem = data.name.split(".")[0]
     details = run_dir / "eval" / f"{task}_{stem}_samples.jsonl" if write else None
     if details is not None:
         details.parent.mkdir(exist_ok=True)
-    # The softmax over the model's vocabulary, as training's loss takes it (padding rows excluded).
-    scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
     gen = dict(seq_length=cfg.model.seq_length, vocab_size=tok.vocab_size, max_new_tokens=max_new_tokens)
     start = time.perf_counter()
+    if task == "generate":
+        metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
+        return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
+    # The softmax over the model's vocabulary, as training's loss takes it (padding rows excluded).
+    scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
     if task == "perplexity":
         text = data.read_text(encoding="utf-8")
         if not text.strip():
@@ -123,12 +132,16 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
         metrics = cloze(scorer, tok, data, strict)
     elif task == "choice":
         metrics = choice(scorer, tok, data, normalize)
-    elif task == "code":
+    else:
         metrics = generation.code(model, tok, data, samples=samples, ks=ks, temperature=temperature, top_p=top_p,
                                   timeout_s=timeout_s, seed=seed, details=details, skip_long=skip_long, **gen)
-    else:
-        metrics = generation.generate(model, tok, data, stop=stop, details=details, **gen)
     return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
+
+
+def _encoder_decoder(run_dir: Path) -> bool:
+    from megalm.generate import load_run_config
+    from megalm.models import family_of
+    return hasattr(family_of(load_run_config(run_dir).model.arch).build, "encode")
 
 
 def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str, Any], start: float,

@@ -49,8 +49,26 @@ def humaneval_path() -> Path:
 def complete(model, tokenizer, prompt: str, *, max_new_tokens: int, stop: Sequence[str], seq_length: int,
              vocab_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, where: str = "") -> str:
     """The text generated after `prompt` (as a document: after the end-of-document token), cut
-    before the first stop string; greedy at temperature 0."""
-    from megalm.generate import generate_ids
+    before the first stop string; greedy at temperature 0. An encoder-decoder model reads the prompt
+    as its source and writes its output from BOS to EOS."""
+    from megalm.generate import generate_ids, generate_seq2seq_ids
+    if hasattr(model, "encode"):
+        from megalm.data.t5_dataset import t5_specials
+        specials = t5_specials(tokenizer)
+        source = tokenizer.encode(prompt)
+        if len(source) > seq_length:
+            raise DataError(f"{where}: the source is {len(source)} tokens; model.seq_length={seq_length} takes at most "
+                            f"{seq_length}")
+        out, text = [], ""
+        for token in generate_seq2seq_ids(model, source, bos=specials.bos, eos=specials.eos,
+                                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=0,
+                                          top_p=top_p, vocab_size=vocab_size, seed=seed):
+            out.append(token)
+            text = tokenizer.decode(out)
+            cut = [text.find(s) for s in stop if s and s in text]
+            if cut:
+                return text[:min(cut)]
+        return text
     ids = [tokenizer.eod] + tokenizer.encode(prompt)
     if len(ids) >= seq_length:
         raise DataError(f"{where}: the prompt is {len(ids)} tokens (end-of-document token included) and "
