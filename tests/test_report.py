@@ -96,16 +96,18 @@ def test_report_errors_name_the_input(tmp_path, args, says):
 
 
 def test_a_plain_run_draws_its_curves_unless_told_not_to(tmp_path):
-    """Outside a sweep too: the run's rank 0 draws curves.png as the run ends; logging.curves=false skips it
-    (and a plain run writes no job.json)."""
-    for curves in ("true", "false"):
-        run_dir = tmp_path / curves
-        out = subprocess.run([sys.executable, "-m", "megalm.train", *QUICK, "trainer.max_steps=2",
-                              f"logging.curves={curves}", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-                             capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        assert (run_dir / "curves.png").exists() == (curves == "true") and not (run_dir / "job.json").exists()
-    assert (tmp_path / "true" / "curves.png").read_bytes()[:8] == PNG
+    """Outside a sweep too: the run's rank 0 draws curves.png as the run ends (and a plain run from the
+    command line writes no job.json); logging.curves=false skips it (in-process: the run's own code)."""
+    from test_parallel_model import load
+    from megalm.train import run
+    out = subprocess.run([sys.executable, "-m", "megalm.train", *QUICK, "trainer.max_steps=2",
+                          f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "cli" / "curves.png").read_bytes()[:8] == PNG and not (tmp_path / "cli" / "job.json").exists()
+    for curves in (True, False):
+        run(load(*QUICK, "trainer.max_steps=2", f"logging.curves={str(curves).lower()}"), tmp_path / str(curves), 1)
+        assert (tmp_path / str(curves) / "curves.png").exists() == curves
 
 
 def test_an_optuna_study_minimises_the_validation_loss_and_outlives_a_failed_trial(tmp_path):
