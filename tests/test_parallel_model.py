@@ -88,8 +88,6 @@ LAYOUTS = [
     ("llama", ["parallel=pp2", "parallel.layers_per_stage=[1,3]"], 2),
     ("gpt2", ["parallel=pp4"], 4),
     ("gpt2", ["parallel=tp2_pp2", "parallel.sequence_parallel=true"], 4),
-    ("llama", ["parallel=pp2_dp2"], 4),
-    ("gpt2", ["parallel=tp2_pp2_dp2"], 8),
     # ZeRO: optimizer state (1), and gradients (2) sharded over dp.
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=1"], 2),
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=2"], 2),
@@ -98,6 +96,7 @@ LAYOUTS = [
     ("gpt2", ["parallel=pp2_dp2", "parallel.zero_stage=1"], 4),
     ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
                "parallel.zero_stage=2"], 4),
+    # (plain all-reduce at pp2_dp2 and tp2_pp2_dp2 is what the ZeRO-1 rows there run, less the sharding)
     ("gpt2", ["parallel=tp2_pp2_dp2", "parallel.zero_stage=1"], 8),
     # ZeRO-3: parameters sharded too, gathered layer by layer.
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=3"], 2),
