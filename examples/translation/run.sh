@@ -3,7 +3,7 @@
 # size side by side: each pretrained on the standard library (GPT on its sources, T5 by span
 # corruption on its docstrings), fine-tuned on the same 706 pairs, then scored on greedy translations
 # of the same 78 held-out strings (BLEU, chrF, exact match).
-# Needs the catalogues and translation extras (both in the dev install). About 15 minutes on 2 cores.
+# Needs the catalogues and translation extras (both in the dev install). About 25 minutes on 2 cores.
 set -euo pipefail
 OUT=${OUT:-runs/translation}
 python -m megalm.data.catalogues --language fr --output "$OUT/data"
@@ -15,10 +15,11 @@ FINETUNE=(data=sft data.paths="[$OUT/data/train.jsonl]" checkpoint.finetune=true
 python -m megalm.train hydra.run.dir="$OUT/sft" "${FINETUNE[@]}" data.packing=true \
     data.tokenizer.model="$OUT/pretrain/tokenizer.model" checkpoint.load="$OUT/pretrain/checkpoints"
 
-# Encoder-decoder: t5_cpu cut to 2 + 2 layers (5.8M parameters), 64 decoder positions (the longest
-# French strings); the English side to the encoder, the French side to the decoder, one pair a sample,
-# 64 a step (about as many pairs a step as GPT's packed sequences hold).
-T5=(model=t5_cpu model.num_layers=4 model.decoder_seq_length=64)
+# Encoder-decoder: t5_cpu cut to 2 + 2 layers (5.8M parameters), 160 decoder positions (the longest
+# French string takes 128 tokens of the docstrings' tokenizer); the English side to the encoder, the
+# French side to the decoder, one pair a sample, 64 a step (about as many pairs a step as GPT's packed
+# sequences hold).
+T5=(model=t5_cpu model.num_layers=4 model.decoder_seq_length=160)
 [ -f "$OUT/t5_pretrain/checkpoints/latest" ] || python -m megalm.train hydra.run.dir="$OUT/t5_pretrain" \
     "${T5[@]}" data=stdlib_prose_t5
 python -m megalm.train hydra.run.dir="$OUT/t5_sft" "${T5[@]}" "${FINETUNE[@]}" \
