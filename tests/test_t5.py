@@ -331,3 +331,13 @@ def test_t5_learns_pairs_from_json_lines(tmp_path):
     assert result["examples"] == 18 and result["exact_match"] > 0.5, result
     with pytest.raises(ConfigError, match="encoder-decoder run .*its task is generate"):
         evaluate(tmp_path / "run", "perplexity", tmp_path / "eval.jsonl")
+
+
+def test_a_source_the_encoder_cannot_take_is_refused():
+    from megalm.generate import generate_seq2seq_ids
+    cfg = tiny()
+    model = model_of(cfg)
+    with pytest.raises(ConfigError, match=r"the source is 25 tokens; the encoder takes model.seq_length=24 at most"):
+        list(generate_seq2seq_ids(model, [5] * 25, bos=1, eos=2, max_new_tokens=3))
+    with pytest.raises(ConfigError, match=r"token id 300, outside the vocabulary of 200 ids"):
+        list(generate_seq2seq_ids(model, [5, 300], bos=1, eos=2, max_new_tokens=3))

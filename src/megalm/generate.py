@@ -116,8 +116,7 @@ def generate_seq2seq_ids(model, source: List[int], *, bos: int, eos: Optional[in
     device = next(model.parameters()).device
     model.eval()
     g = torch.Generator(device=device).manual_seed(seed)
-    vocab = vocab_size or cfg.vocab_size
-    check_prompt(source, vocab, cfg.seq_length + 1, what="the source", counted=" (the encoder's input)")
+    check_source(source, vocab_size or cfg.vocab_size, cfg.seq_length)
     ids = torch.tensor([source], dtype=torch.long, device=device)
     encoded = model.encode(ids, torch.ones_like(ids))
     cache = KVCache(cfg.num_layers, 1, cfg.kv_heads, cfg.decoder_seq_length, cfg.head_dim, device=device,
@@ -139,6 +138,18 @@ def generate_seq2seq_ids(model, source: List[int], *, bos: int, eos: Optional[in
         else:
             out = torch.cat([out, nxt[:, None]], dim=1)
             logits = model.decode(out, encoded)[:, -1]
+
+
+def check_source(source: List[int], vocab_size: int, seq_length: int, what: str = "the source") -> None:
+    """An encoder-decoder model's input: ids in the vocabulary, at most model.seq_length of them."""
+    if not source:
+        raise ConfigError(f"{what} is empty: the encoder needs at least one token")
+    bad = [i for i in source if not 0 <= i < vocab_size]
+    if bad:
+        raise ConfigError(f"{what} has token id {bad[0]}, outside the vocabulary of {vocab_size} ids "
+                          f"(0..{vocab_size - 1})")
+    if len(source) > seq_length:
+        raise ConfigError(f"{what} is {len(source)} tokens; the encoder takes model.seq_length={seq_length} at most")
 
 
 def load_for_generation(run_dir: Path, device: str = "cpu"):
@@ -237,7 +248,7 @@ def _generate_seq2seq(args: argparse.Namespace, cfg, model, tok, state) -> None:
     from megalm.data.t5_dataset import t5_specials
     specials = t5_specials(tok)
     source = tok.encode(args.prompt)
-    check_prompt(source, tok.vocab_size, cfg.model.seq_length + 1, what="--prompt", counted=" (the encoder's input)")
+    check_source(source, tok.vocab_size, cfg.model.seq_length, what="--prompt")
     print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']}); source: {args.prompt!r}", file=sys.stderr)
     for i in range(args.num_samples):
         if args.num_samples > 1:
