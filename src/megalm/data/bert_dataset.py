@@ -204,6 +204,17 @@ def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int,
     return out
 
 
+def mock_sentences(seed: int, name: str, i: int, low: int, high: int, target: int) -> List[List[int]]:
+    """Mock sample i's 2-4 "sentences": one arithmetic progression of ids in [low, high) (modulo the
+    range), cut into pieces of 2 to target / 2 ids; fixed by (seed, split, i)."""
+    g = np.random.default_rng([seed, _SPLIT_IDS[name], int(i)])
+    span = high - low
+    start, stride = int(g.integers(0, span)), int(g.integers(1, min(7, span)))
+    lengths = g.integers(2, max(3, target // 2), size=int(g.integers(2, 5)))
+    ids = low + (start + stride * np.arange(int(lengths.sum()))) % span
+    return [s.tolist() for s in np.split(ids, np.cumsum(lengths)[:-1])]
+
+
 class MockBertDataset:
     """Synthetic BERT samples with no files: sample i depends only on (seed, split, i).
 
@@ -233,13 +244,8 @@ class MockBertDataset:
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"mock {self.name} sample {i} is out of range [0, {self.num_samples})")
-        g = np.random.default_rng([self.seed, _SPLIT_IDS[self.name], int(i)])
-        span = self.vocab_size - self.low
-        start, stride = int(g.integers(0, span)), int(g.integers(1, min(7, span)))
         target = self.seq_length - 3
-        lengths = g.integers(2, max(3, target // 2), size=int(g.integers(2, 5)))
-        ids = self.low + (start + stride * np.arange(int(lengths.sum()))) % span
-        sentences = [s.tolist() for s in np.split(ids, np.cumsum(lengths)[:-1])]
+        sentences = mock_sentences(self.seed, self.name, i, self.low, self.vocab_size, target)
         rng = np.random.RandomState((self.seed + i) % 2**32)
         return bert_sample(sentences, target, self.seq_length, rng, self.specials, self.token_lookup, self.binary_head)
 

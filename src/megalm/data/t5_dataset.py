@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megalm.data.bert_dataset import SHORT_SEQ_PROB, Specials, choose_spans, continuing_pieces
+from megalm.data.bert_dataset import SHORT_SEQ_PROB, Specials, choose_spans, continuing_pieces, mock_sentences
 from megalm.errors import DataError
 
 MAX_NGRAM = 10  # megatron-core's T5: spans of up to 10 words, geometric lengths
@@ -90,7 +90,6 @@ def t5_sample(sentences: List[List[int]], target_length: int, seq_length: int, d
               continues_word: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """One span-corruption sample from the sentences of a sample-index entry (megatron-core's
     T5MaskedWordPieceDataset.__getitem__)."""
-    from megalm.models.losses import IGNORE
     tokens = [t for s in sentences for t in s][:target_length]
     # T5 replaces each masked token by [MASK] (no draw); the spans become sentinels below.
     no_cls = Specials(cls=-1, sep=-1, mask=-1, pad=specials.pad)
@@ -113,10 +112,18 @@ def t5_sample(sentences: List[List[int]], target_length: int, seq_length: int, d
         raise DataError(f"a T5 sample of {len(encoder)} encoder and {len(decoder_in)} decoder tokens does not fit "
                         f"model.seq_length={seq_length} and model.decoder_seq_length={decoder_length}: raise "
                         "model.decoder_seq_length (15% of the encoder's tokens, and a sentinel a span, go there)")
+    return _fields(encoder, decoder_in, decoder_out, seq_length, decoder_length, specials.pad)
+
+
+def _fields(encoder: List[int], decoder_in: List[int], decoder_out: List[int], seq_length: int, decoder_length: int,
+            pad: int) -> Dict[str, np.ndarray]:
+    """The batch fields of one sample, padded: the encoder's tokens and mask, the decoder's input,
+    targets (IGNORE on padding) and loss mask."""
+    from megalm.models.losses import IGNORE
     n, d = len(encoder), len(decoder_in)
-    out = {"tokens": np.full(seq_length, specials.pad, dtype=np.int64),
+    out = {"tokens": np.full(seq_length, pad, dtype=np.int64),
            "padding_mask": np.zeros(seq_length, dtype=np.int64),
-           "decoder_tokens": np.full(decoder_length, specials.pad, dtype=np.int64),
+           "decoder_tokens": np.full(decoder_length, pad, dtype=np.int64),
            "labels": np.full(decoder_length, IGNORE, dtype=np.int64),
            "loss_mask": np.zeros(decoder_length, dtype=np.float32)}
     out["tokens"][:n] = encoder
@@ -155,13 +162,8 @@ class MockT5Dataset:
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"mock {self.name} sample {i} is out of range [0, {self.num_samples})")
-        g = np.random.default_rng([self.seed, _SPLIT_IDS[self.name], int(i)])
-        span = self.high - self.low
-        start, stride = int(g.integers(0, span)), int(g.integers(1, min(7, span)))
         target = self.seq_length - 2
-        lengths = g.integers(2, max(3, target // 2), size=int(g.integers(2, 5)))
-        ids = self.low + (start + stride * np.arange(int(lengths.sum()))) % span
-        sentences = [s.tolist() for s in np.split(ids, np.cumsum(lengths)[:-1])]
+        sentences = mock_sentences(self.seed, self.name, i, self.low, self.high, target)
         rng = np.random.RandomState((self.seed + i) % 2**32)
         return t5_sample(sentences, target, self.seq_length, self.decoder_length, rng, self.specials)
 
@@ -218,24 +220,12 @@ def pair_sample(source: List[int], target: List[int], seq_length: int, decoder_l
                 where: str = "a pair") -> Dict[str, np.ndarray]:
     """A fine-tuning sample of a (source, target) pair: the encoder reads the source, the decoder
     `[BOS] target` and learns `target [EOS]`; nothing is cut (a pair too long is an error naming it)."""
-    from megalm.models.losses import IGNORE
     if not target:
         raise DataError(f"{where}: the target is empty: nothing to learn")
     if len(source) > seq_length or len(target) + 1 > decoder_length:
         raise DataError(f"{where}: a source of {len(source)} tokens and a target of {len(target)} (+ [EOS]) do not "
                         f"fit model.seq_length={seq_length} and model.decoder_seq_length={decoder_length}")
-    n, d = len(source), len(target) + 1
-    out = {"tokens": np.full(seq_length, specials.pad, dtype=np.int64),
-           "padding_mask": np.zeros(seq_length, dtype=np.int64),
-           "decoder_tokens": np.full(decoder_length, specials.pad, dtype=np.int64),
-           "labels": np.full(decoder_length, IGNORE, dtype=np.int64),
-           "loss_mask": np.zeros(decoder_length, dtype=np.float32)}
-    out["tokens"][:n] = source
-    out["padding_mask"][:n] = 1
-    out["decoder_tokens"][:d] = [specials.bos, *target]
-    out["labels"][:d] = [*target, specials.eos]
-    out["loss_mask"][:d] = 1.0
-    return out
+    return _fields(source, [specials.bos, *target], [*target, specials.eos], seq_length, decoder_length, specials.pad)
 
 
 class T5Samples:
