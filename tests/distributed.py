@@ -52,6 +52,7 @@ def _worker(rank: int, world_size: int, store_port: int, inbox, outbox) -> None:
         try:
             fn, args = pickle.loads(job)
             out = fn(rank, world_size, *args)
+            _drop_subgroups()
             # Pickled here, by value: the queue's own pickler would share tensor storage through
             # file descriptors, which the parent cannot fetch once this process has exited.
             outbox.put((rank, "ok", pickle.dumps(out)))
@@ -61,6 +62,19 @@ def _worker(rank: int, world_size: int, store_port: int, inbox, outbox) -> None:
     # No rank tears its sockets down while another may still be connecting to it.
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _drop_subgroups() -> None:
+    """Destroy every group a call made (a DeviceMesh makes one a dimension), keeping the world
+    group. Left alive they would hold their gloo sockets for the session: a 2x2x2 mesh holds 48,
+    and thousands of held ports make a random rendezvous port elsewhere (submitit's) collide."""
+    from torch.distributed.distributed_c10d import _world
+    world = dist.group.WORLD
+    others = [g for g in list(_world.pg_map) if g is not world]
+    if others:
+        dist.barrier()  # no rank closes a socket a peer may still be reading from
+        for g in others:
+            dist.destroy_process_group(g)
 
 
 class _Ranks:
