@@ -270,18 +270,122 @@ def test_cached_decoding_equals_the_training_forward(positions):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_generate_cli_reads_the_prompt_as_the_source(tmp_path, capsys):
-    from megalm.generate import generate_seq2seq_ids, load_for_generation, main
+@pytest.mark.parametrize("positions", ["learned", "relative"])
+def test_the_servers_slots_decode_together_what_each_source_gives_alone(positions):
+    """Seq2SeqEngine (megalm.serve) holds more requests than slots: sources of different lengths enter
+    slots as others finish, and the slots decode together, each row at its own position over its own
+    source. Each request's greedy output is what generate_seq2seq_ids gives its source alone."""
+    import threading
+    from megalm.generate import generate_seq2seq_ids
+    from megalm.serve.engine import Request, Sampling, Seq2SeqEngine
+
+    class Null:
+        vocab_size, eod = 200, 0
+
+        def pieces(self):
+            return None
+
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+    cfg = tiny(position_embedding=positions, num_layers=5, encoder_num_layers=2, num_query_groups=2)
+    model = model_of(cfg)
+    with torch.no_grad():  # weights far from init's small ones, so that each source has outputs of its own
+        for p in model.parameters():
+            if p.ndim > 1:
+                p.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(p.numel()))
+    g = torch.Generator().manual_seed(4)
+    sources = [torch.randint(3, 99, (n,), generator=g).tolist() for n in (3, 24, 9, 1, 17, 12, 5)]
+    asks = [11, 4, 11, 7, 11, 2, 9]
+    done, outputs, logprobs = [threading.Event() for _ in sources], [[] for _ in sources], [[] for _ in sources]
+
+    def emit(k):
+        def on(kind, value, text, logprob):
+            if kind == "token":
+                outputs[k].append(value)
+                logprobs[k].append(logprob)
+            else:
+                assert kind == "done", value
+                done[k].set()
+        return on
+    engine = Seq2SeqEngine(model, Null(), slots=3)
+    try:
+        for k, (source, ask) in enumerate(zip(sources, asks)):
+            engine.submit(Request(source, Sampling(max_tokens=ask), emit(k)))
+        assert all(d.wait(120) for d in done)
+        assert engine.load()["steps"] < sum(asks)  # the slots did decode together
+    finally:
+        engine.stop(timeout=60)
+    for source, ask, got, logprob in zip(sources, asks, outputs, logprobs):
+        want = list(generate_seq2seq_ids(model, source, bos=1, eos=2, max_new_tokens=ask, temperature=0,
+                                         vocab_size=200))
+        assert got == want and len(got) >= 1
+        with torch.no_grad():  # the training forward over the whole output gives the same log-probabilities
+            src = torch.tensor([source])
+            full = model(src, torch.ones_like(src), torch.tensor([[1, *got[:-1]]]))[0, :, :cfg.vocab_size]
+        ref = torch.log_softmax(full, -1)[torch.arange(len(got)), got]
+        torch.testing.assert_close(torch.tensor(logprob), ref, rtol=1e-5, atol=1e-5)
+    assert len({tuple(out) for out in outputs}) == len(outputs)  # each source an output of its own
+
+
+@pytest.fixture(scope="module")
+def t5_run(tmp_path_factory):
+    """A t5_tiny run of two steps on mock data (its tokenizer reads and writes ids as numbers)."""
     from megalm.train import run
+    run_dir = tmp_path_factory.mktemp("t5_run")
     run(load("model=t5_tiny", "data=mock", "logging.curves=false", "trainer.max_steps=2", "trainer.eval_interval=0",
-             "trainer.eval_steps=1", "trainer.progress_bar=false", "trainer.global_batch_size=8"), tmp_path, 1)
-    main([str(tmp_path), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", "6"])
+             "trainer.eval_steps=1", "trainer.progress_bar=false", "trainer.global_batch_size=8"), run_dir, 1)
+    return run_dir
+
+
+def _alone(run_dir, source, max_new_tokens):
+    from megalm.generate import generate_seq2seq_ids, load_for_generation
+    cfg, model, tok, _ = load_for_generation(run_dir)
+    return list(generate_seq2seq_ids(model, source, bos=1, eos=2, max_new_tokens=max_new_tokens, temperature=0,
+                                     vocab_size=tok.vocab_size)), cfg, tok
+
+
+def test_generate_cli_reads_the_prompt_as_the_source(t5_run, capsys):
+    from megalm.generate import main
+    main([str(t5_run), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert "t5_tiny" in err and "source: '5 6 7 8'" in err
-    cfg, model, tok, _ = load_for_generation(tmp_path)
-    want = list(generate_seq2seq_ids(model, [5, 6, 7, 8], bos=1, eos=2, max_new_tokens=6, temperature=0,
-                                     vocab_size=tok.vocab_size))
+    want, _, _ = _alone(t5_run, [5, 6, 7, 8], 6)
     assert out.strip() == " ".join(map(str, want))
+
+
+def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):
+    """megalm.serve on a T5 run (a real server process): a completion and Megatron's `text` are the greedy
+    output of the prompt as a source, as generated alone; what only a decoder model does (chat, echo,
+    scoring, add_BOS) and a source or output too long are 400s naming the field; SIGTERM exits 0."""
+    import httpx
+    from test_serve import _start, _stop
+    want, cfg, tok = _alone(t5_run, [5, 6, 7, 8], 6)
+    assert want
+    proc, url = _start(t5_run)
+    try:
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6 7 8", "max_tokens": 6, "temperature": 0,
+                                                      "logprobs": 0}, timeout=60)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["text"] == tok.decode(want) and len(choice["logprobs"]["token_logprobs"]) == len(want)
+        assert r.json()["usage"]["prompt_tokens"] == 4  # the source as it is, no end-of-document token
+        r = httpx.put(f"{url}/api", json={"prompts": ["5 6 7 8"], "tokens_to_generate": 6, "top_k": 1}, timeout=60)
+        assert r.status_code == 200 and r.json()["text"] == [tok.decode(want)], r.text
+        too_long = " ".join(["5"] * (cfg.model.seq_length + 1))
+        for method, path, body, param in [
+                ("post", "/v1/chat/completions", {"messages": [{"role": "user", "content": "5 6"}]}, "messages"),
+                ("post", "/v1/completions", {"prompt": "5 6", "echo": True}, "echo"),
+                ("post", "/v1/completions", {"prompt": too_long}, "prompt"),
+                ("post", "/v1/completions", {"prompt": "5 6", "max_tokens": cfg.model.decoder_seq_length}, "max_tokens"),
+                ("put", "/api", {"prompts": ["5 6"], "tokens_to_generate": 0}, "tokens_to_generate"),
+                ("put", "/api", {"prompts": ["5 6"], "add_BOS": True}, "add_BOS")]:
+            r = httpx.request(method.upper(), f"{url}{path}", json=body, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6", "max_tokens": cfg.model.decoder_seq_length - 1,
+                                                        "temperature": 0}, timeout=60)
+        assert ok.status_code == 200, ok.text
+    finally:
+        assert _stop(proc) == 0
 
 
 # -- fine-tuning pairs (data=sft) -----------------------------------------------------------
@@ -341,3 +445,12 @@ def test_a_source_the_encoder_cannot_take_is_refused():
         list(generate_seq2seq_ids(model, [5] * 25, bos=1, eos=2, max_new_tokens=3))
     with pytest.raises(ConfigError, match=r"token id 300, outside the vocabulary of 200 ids"):
         list(generate_seq2seq_ids(model, [5, 300], bos=1, eos=2, max_new_tokens=3))
+
+
+def test_the_server_refuses_a_t5_layout_before_starting_ranks(t5_run, capsys):
+    from megalm.serve import main
+    with pytest.raises(SystemExit) as e:
+        main([str(t5_run), "--tp", "2"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "model.arch=t5" in err and "one process: drop --tp / --pp" in err

@@ -134,14 +134,16 @@ class T5Embedding(nn.Module):
         self.pos = nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, start: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`positions`: (B, T) each token's own position (rows of a batch at different points); None:
+        start, start + 1, ... for every row."""
         x = self.tok(tokens)
         if self.pos is not None:
-            end = start + tokens.shape[1]
+            end = start + tokens.shape[1] if positions is None else int(positions.max()) + 1
             if end > self.pos.num_embeddings:
                 raise ValueError(f"position {end} exceeds the {self.pos.num_embeddings} positions of the model "
                                  "(max of model.seq_length and model.decoder_seq_length)")
-            x = x + self.pos(torch.arange(start, end, device=tokens.device))
+            x = x + self.pos(torch.arange(start, end, device=tokens.device) if positions is None else positions)
         return self.drop(x)
 
 
@@ -204,11 +206,13 @@ class DecoderLayer(nn.Module):
         self.cross = CrossAttention(cfg)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, memory: torch.Tensor, key_mask: torch.Tensor, bias: Optional[torch.Tensor],
-                cache=None, start: int = 0, cross_kv=None) -> torch.Tensor:
-        """`bias`: the relative-position bias of this chunk's queries (1, heads, T, start + T), or None."""
-        self_mask = None
-        if bias is not None:
+    def forward(self, x: torch.Tensor, memory: Optional[torch.Tensor], key_mask: torch.Tensor,
+                bias: Optional[torch.Tensor], cache=None, start: int = 0, cross_kv=None,
+                self_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`bias`: the relative-position bias of this chunk's queries (1, heads, T, start + T), or None.
+        `self_mask`: the self-attention's mask when the caller made it (rows at their own positions),
+        bias included; then `bias` is not read. `memory` may be None when `cross_kv` is given."""
+        if self_mask is None and bias is not None:
             T, S = bias.shape[-2:]
             causal = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
             self_mask = torch.where(causal, bias, float("-inf"))
@@ -289,19 +293,31 @@ class T5(nn.Module):
         cross = [self.blocks[str(i)].cross.memory_kv(enc) for i in range(Le, self.cfg.num_layers)]
         return Encoded(enc, key_mask, cross)
 
-    def decode(self, decoder_tokens: torch.Tensor, encoded: "Encoded", cache=None, start: int = 0) -> torch.Tensor:
+    def decode(self, decoder_tokens: torch.Tensor, encoded: "Encoded", cache=None, start: int = 0,
+               positions: Optional[torch.Tensor] = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits (B, T, V) of decoder tokens at positions start.. over an encoded source; `cache` (a
         megalm.models.KVCache of num_layers layers) holds the self-attention keys and values of the
-        positions before `start`."""
+        positions before `start`.
+
+        A batch whose rows stand at different points (the server's slots) gives `positions` (B, T), each
+        token's position, and `attention_mask` (B, 1, T, keys) bool, the cached keys each query sees;
+        its `cache` then writes each row at its own positions."""
         T, Le = decoder_tokens.shape[1], self.cfg.encoder_layers
-        if start + T > self.cfg.decoder_seq_length:
-            raise ValueError(f"decoder position {start + T} exceeds model.decoder_seq_length={self.cfg.decoder_seq_length}")
-        dec = self.embed(decoder_tokens, start)
-        bias = None
+        end = start + T if positions is None else int(positions.max()) + 1
+        if end > self.cfg.decoder_seq_length:
+            raise ValueError(f"decoder position {end} exceeds model.decoder_seq_length={self.cfg.decoder_seq_length}")
+        dec = self.embed(decoder_tokens, start, positions)
+        bias, self_mask = None, attention_mask
         if self.dec_bias is not None:
-            bias = self.dec_bias(start + T, start + T)[:, :, start:]  # this chunk's queries over every key so far
+            table = self.dec_bias(end, end)  # (1, heads, queries, keys) over every position so far
+            if positions is None:
+                bias = table[:, :, start:]  # this chunk's queries
+            else:  # each row's queries at their own positions
+                rows = table[0][:, positions].transpose(0, 1)  # (B, heads, T, keys)
+                self_mask = torch.where(attention_mask, rows, float("-inf"))
         for j, i in enumerate(range(Le, self.cfg.num_layers)):
-            dec = self.blocks[str(i)](dec, encoded.memory, encoded.key_mask, bias, cache, start, encoded.cross_kv[j])
+            dec = self.blocks[str(i)](dec, encoded.memory, encoded.key_mask, bias, cache, start, encoded.cross_kv[j],
+                                      self_mask)
         return self.head(self.norm(dec))
 
 
@@ -309,7 +325,8 @@ class T5(nn.Module):
 class Encoded:
     """A source run through the encoder: its output, its key mask and each decoder layer's cross-attention
     keys and values."""
-    memory: torch.Tensor
+    memory: Optional[torch.Tensor]
+    """None where only the keys and values are kept (the server's slots)."""
     key_mask: torch.Tensor
     cross_kv: List[Tuple[torch.Tensor, torch.Tensor]]
 

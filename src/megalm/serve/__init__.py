@@ -1,5 +1,5 @@
 """`python -m megalm.serve RUN_DIR [--host 127.0.0.1 --port 5000] [--tp N --pp M]`: serve a trained
-decoder run over HTTP.
+decoder run (or, on one process, an encoder-decoder run) over HTTP.
 
 The run's latest checkpoint answers Megatron's `PUT /api`, OpenAI's `/v1/completions` and
 `/v1/chat/completions` (streamed as server-sent events when asked), `/v1/models` and `/health`
@@ -9,6 +9,11 @@ takes the HTTP requests and tells the others each forward it runs, so every rank
 steps and none waits on a request it never saw. SIGTERM or Ctrl-C stops taking requests, finishes
 those in flight, stops the other ranks, and exits 0. Needs the `megalm[serve]` extra (FastAPI,
 uvicorn).
+
+An encoder-decoder run (model.arch=t5) reads each prompt as its source and answers with the
+decoder's output (a translation, a summary), to [EOS] or max_tokens; it is served by
+`Seq2SeqEngine`, on one process. Chat, echo and scoring prompts belong to decoder models and are
+answered 400 for it.
 """
 
 from __future__ import annotations
@@ -28,10 +33,17 @@ log = logging.getLogger("megalm.serve")
 RANK_WAIT_S = 365 * 24 * 3600.0  # the other ranks wait for rank 0's next forward as long as the server runs
 
 
-def _check(cfg, run_dir) -> None:
-    if cfg.model.arch != "gpt" or getattr(cfg.model, "fine_tuning_head", False):
-        raise ConfigError(f"megalm.serve generates text with decoder language models; {run_dir} is "
-                          f"model.arch={cfg.model.arch}" + (" with a fine-tuning head" if cfg.model.arch == "gpt" else ""))
+def _check(cfg, run_dir, layout: bool = False) -> None:
+    arch = cfg.model.arch
+    if arch == "t5":
+        if layout:
+            raise ConfigError(f"{run_dir} is an encoder-decoder model (model.arch=t5), which megalm.serve runs on "
+                              "one process: drop --tp / --pp")
+        return
+    if arch != "gpt" or getattr(cfg.model, "fine_tuning_head", False):
+        raise ConfigError(f"megalm.serve generates text with decoder language models (model.arch=gpt) and "
+                          f"encoder-decoder ones (t5); {run_dir} is model.arch={arch}"
+                          + (" with a fine-tuning head" if arch == "gpt" else ""))
 
 
 def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int = 64, seed: int = 0,
@@ -46,7 +58,7 @@ def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int 
         import torch.distributed as dist
         from megalm.evaluate.layout import load_at_layout
         cfg, model, tok, state = load_at_layout(Path(run_dir), tp, pp, device)
-        _check(cfg, run_dir)
+        _check(cfg, run_dir, layout=True)
         ranks = Ranks(next(model.parameters()).device)
         if dist.get_rank() != 0:
             # these ranks stop when rank 0 tells them; the signals are rank 0's to act on
@@ -59,8 +71,12 @@ def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int 
         cfg, model, tok, state = load_for_generation(Path(run_dir), device)
         _check(cfg, run_dir)
     from megalm.serve.api import Server, create_app
-    engine = Engine(model, tok, seq_length=cfg.model.seq_length, slots=slots, max_queue=max_queue, seed=seed,
-                    ranks=ranks)
+    if cfg.model.arch == "t5":
+        from megalm.serve.engine import Seq2SeqEngine
+        engine: Engine = Seq2SeqEngine(model, tok, slots=slots, max_queue=max_queue, seed=seed)
+    else:
+        engine = Engine(model, tok, seq_length=cfg.model.seq_length, slots=slots, max_queue=max_queue, seed=seed,
+                        ranks=ranks)
     server = Server(engine, tok, model_name=name or f"{cfg.model.name}-step{state['step']}",
                     seq_length=cfg.model.seq_length, chat_template=cfg.data.chat_template)
     return create_app(server), engine
@@ -108,6 +124,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.tp * args.pp == 1:
             return serve(args.run_dir, args.host, args.port, **options)
         from megalm.evaluate.layout import check_layout, on_ranks
+        from megalm.generate import load_run_config
+        _check(load_run_config(args.run_dir), args.run_dir, layout=True)  # before the layout's own checks
         check_layout(args.run_dir, args.tp, args.pp)
         if "RANK" not in os.environ:  # the ranks start here: pass SIGTERM on; Ctrl-C reaches them itself
             signal.signal(signal.SIGTERM, lambda signum, frame: [

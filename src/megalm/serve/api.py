@@ -17,6 +17,10 @@
 A request that is not valid JSON, has a field of the wrong type or out of range, a field the
 endpoint does not take, or a prompt that leaves no room for the tokens asked is answered 400 with
 {"error": {"message", "type", "param"}} naming the field; a full queue is 503. The server goes on.
+
+An encoder-decoder model (Seq2SeqEngine) reads each prompt as its source, without the
+end-of-document token; its completions and Megatron `text` are the output alone. It takes no chat,
+echo, add_BOS or tokens_to_generate=0 (400, naming the field).
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
 
-from megalm.serve.engine import Engine, QueueFull, Request, Sampling
+from megalm.serve.engine import Engine, QueueFull, Request, Sampling, Seq2SeqEngine
 
 try:
     from fastapi import FastAPI, Request as HTTPRequest
@@ -124,9 +128,34 @@ class Server:
         self.engine, self.tok = engine, tokenizer
         self.model_name, self.seq_length, self.chat_template = model_name, seq_length, chat_template
         self.created = int(time.time())
+        self.seq2seq = isinstance(engine, Seq2SeqEngine)
 
     # -- running requests ------------------------------------------------------------------------
-    def _check_room(self, prompt: List[int], max_tokens: int, field: str) -> None:
+    def _prompt_ids(self, text: str, field: str) -> List[int]:
+        """A decoder model reads a prompt as a document, after the end-of-document token; an
+        encoder-decoder model reads it as its source, as fine-tuning did."""
+        if not self.seq2seq:
+            return [self.tok.eod] + self.tok.encode(text)
+        ids = self.tok.encode(text)
+        if not ids:
+            raise BadRequest(f"{field}: the source is empty; the encoder needs at least one token", field)
+        return ids
+
+    def _refuse_for_seq2seq(self, what: str, param: str) -> None:
+        if self.seq2seq:
+            raise BadRequest(f"{param}: {what}, which an encoder-decoder model (T5) does not do: its output is "
+                             "generated from the prompt as a source, not after it", param)
+
+    def _check_room(self, prompt: List[int], max_tokens: int, field: str, prompt_field: str = "prompt") -> None:
+        if self.seq2seq:
+            engine: Seq2SeqEngine = self.engine  # type: ignore[assignment]
+            if len(prompt) > engine.source_length:
+                raise BadRequest(f"{prompt_field}: the source is {len(prompt)} tokens; the encoder reads at most "
+                                 f"{engine.source_length} (model.seq_length)", prompt_field)
+            if max_tokens > engine.room(len(prompt)):
+                raise BadRequest(f"{field}: {max_tokens} tokens were asked; the decoder writes at most "
+                                 f"{engine.room(len(prompt))} (model.decoder_seq_length - 1)", field)
+            return
         if len(prompt) + max_tokens > self.seq_length:
             raise BadRequest(f"{field}: the prompt is {len(prompt)} tokens and {max_tokens} more were asked; the model "
                              f"reads at most {self.seq_length} (prompt + {field} <= {self.seq_length})", field)
@@ -177,13 +206,20 @@ class Server:
         if body.top_k > 0 and body.top_p > 0:
             raise BadRequest("top_k and top_p cannot both be set (Megatron's rule)", "top_p")
         stops = (["\n\n"] if body.stop_on_double_eol else []) + (["\n"] if body.stop_on_eol else [])
+        if body.add_BOS:
+            self._refuse_for_seq2seq("add_BOS starts a prompt at the end-of-document token", "add_BOS")
+        if body.tokens_to_generate == 0:
+            self._refuse_for_seq2seq("tokens_to_generate=0 scores the prompts", "tokens_to_generate")
         runs = []
         for i, text in enumerate(body.prompts):
-            prompt = ([self.tok.eod] if body.add_BOS else []) + self.tok.encode(text)
+            if self.seq2seq:
+                prompt = self._prompt_ids(text, "prompts")
+            else:
+                prompt = ([self.tok.eod] if body.add_BOS else []) + self.tok.encode(text)
             if not prompt:
                 raise BadRequest(f"prompts[{i}] is empty: give text, or add_BOS=true to start from the "
                                  "end-of-document token", "prompts")
-            self._check_room(prompt, body.tokens_to_generate, "tokens_to_generate")
+            self._check_room(prompt, body.tokens_to_generate, "tokens_to_generate", "prompts")
             runs.append(prompt)
         started = self._start_all(
             (prompt, Sampling(max_tokens=body.tokens_to_generate, temperature=body.temperature, top_k=body.top_k,
@@ -192,7 +228,12 @@ class Server:
             for prompt in runs)
         await self._finish_all(started)
         out: Dict[str, Any] = {"text": [], "segments": []}
-        for prompt, (r, _) in zip(runs, started):  # Megatron's answer: each prompt followed by its generation
+        for prompt, (r, _) in zip(runs, started):
+            if self.seq2seq:  # the output alone: it does not continue its source
+                out["text"].append(r.text)
+                out["segments"].append([self.tok.decode([t]) for t in r.tokens])
+                continue
+            # Megatron's answer: each prompt followed by its generation
             out["text"].append(self.tok.decode(prompt) + r.text)
             out["segments"].append([self.tok.decode([t]) for t in prompt + r.tokens])
         if body.logprobs:
@@ -210,7 +251,9 @@ class Server:
         if not prompts:
             raise BadRequest("prompt: give a string or a non-empty list of strings", "prompt")
         stops = _stops(body.stop)
-        encoded = [[self.tok.eod] + self.tok.encode(p) for p in prompts]
+        if body.echo:
+            self._refuse_for_seq2seq("echo puts the prompt before the completion", "echo")
+        encoded = [self._prompt_ids(p, "prompt") for p in prompts]
         for ids in encoded:
             self._check_room(ids, body.max_tokens, "max_tokens")
         jobs = [(i * body.n + j, p, ids) for i, (p, ids) in enumerate(zip(prompts, encoded)) for j in range(body.n)]
@@ -282,6 +325,7 @@ class Server:
 
     async def chat(self, body: ChatRequest):
         from megalm.data.sft import template_parts
+        self._refuse_for_seq2seq("chat continues a conversation written with the run's chat template", "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
         prompt = self._chat_prompt(body.messages)

@@ -1,4 +1,5 @@
-"""The serving engine: continuous batching of text generation over one decoder model.
+"""The serving engine: continuous batching of text generation over one decoder model
+(`Engine`), or over one encoder-decoder model whose prompts are sources (`Seq2SeqEngine`).
 
 Requests wait in a bounded queue. A worker thread holds up to `slots` of them at a time, each in
 its own slot of a KV cache (`SlotKVCache`: per slot, the keys and values of its positions). A
@@ -72,12 +73,14 @@ class Request:
 
 
 class SlotKVCache:
-    """Keys and values per slot: (slots, kv_heads, max_len, head_dim) per layer."""
+    """Keys and values per slot: (slots, kv_heads, max_len, head_dim) per layer; layers below
+    `first_layer` (an encoder's, which never cache) hold nothing."""
 
-    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, device, dtype):
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, device, dtype,
+                 first_layer: int = 0):
         shape = (slots, kv_heads, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(num_layers)]
+        self.k = [torch.zeros(shape if i >= first_layer else (0,), device=device, dtype=dtype) for i in range(num_layers)]
+        self.v = [torch.zeros(shape if i >= first_layer else (0,), device=device, dtype=dtype) for i in range(num_layers)]
         self.max_len = max_len
 
     def rows(self, slots: torch.Tensor, starts: torch.Tensor, length: int) -> "_Rows":
@@ -114,7 +117,8 @@ def slot_cache(model, slots: int, seq_length: int) -> SlotKVCache:
     layer's entry is made; a pipeline stage fills its own layers' only)."""
     cfg, p = model.cfg, next(model.parameters())
     tp = getattr(model, "tp", 1)
-    return SlotKVCache(cfg.num_layers, slots, cfg.kv_heads // tp, seq_length, cfg.head_dim, p.device, p.dtype)
+    return SlotKVCache(cfg.num_layers, slots, cfg.kv_heads // tp, seq_length, cfg.head_dim, p.device, p.dtype,
+                       first_layer=getattr(cfg, "encoder_layers", 0))
 
 
 class Ranks:
@@ -174,6 +178,7 @@ class Engine:
         # Log-probabilities over the model's vocabulary, as training's loss takes them (its padding rows
         # left out); tokens are drawn from the tokenizer's ids only.
         self.model_vocab, self.tokens = cfg.vocab_size, tokenizer.vocab_size
+        self.stop_token = self.end_token(tokenizer)
         p = next(model.parameters())
         self.device = p.device
         self.cache = slot_cache(model, slots, seq_length)
@@ -187,12 +192,21 @@ class Engine:
         self.thread = threading.Thread(target=self._run, name="megalm-serve-engine", daemon=True)
         self.thread.start()
 
+    @staticmethod
+    def end_token(tokenizer) -> int:
+        """The token that ends a generation (Sampling.stop_at_eod): the end of the document."""
+        return tokenizer.eod
+
+    def room(self, prompt_tokens: int) -> int:
+        """How many tokens a request of `prompt_tokens` may generate (negative: the prompt alone is too long)."""
+        return self.seq_length - prompt_tokens
+
     # -- the requests' side ----------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         """Queue a request (QueueFull when max_queue are waiting)."""
         if not request.prompt:
             raise ValueError("a request needs at least one prompt token")  # the API checks first
-        if len(request.prompt) + request.sampling.max_tokens > self.seq_length:
+        if request.sampling.max_tokens > self.room(len(request.prompt)):
             raise ValueError(f"{len(request.prompt)} prompt tokens + {request.sampling.max_tokens} to generate "
                              f"exceed the model's {self.seq_length}")  # the API checks first
         with self.cond:
@@ -299,7 +313,7 @@ class Engine:
             0, torch.arange(self.tokens, len(logits), device=logits.device), float("-inf"))
         token = int(sample_next(allowed[None], sp.temperature, sp.top_k, sp.top_p, r.generator)[0])
         logprob = float(torch.log_softmax(logits, dim=-1)[token])
-        if sp.stop_at_eod and token == self.tokenizer.eod:
+        if sp.stop_at_eod and token == self.stop_token:
             return self._finish(r, "stop")
         r.tokens.append(token)
         r.logprobs.append(logprob)
@@ -318,3 +332,63 @@ class Engine:
         with self.cond:
             self.active.pop(r.slot, None)
         r.emit("done", reason, None, None)
+
+
+class Seq2SeqEngine(Engine):
+    """Continuous batching over an encoder-decoder model (T5, one process): a request's prompt is
+    its source. When it enters a slot the encoder reads the source alone, and each decoder layer's
+    cross-attention keys and values of it are kept in the slot (`source_k` / `source_v`, with the
+    source's padding mask); then the decoder starts from [BOS] and, as for a decoder model, every
+    step decodes one token of every slot over the slots' self-attention caches, each row at its own
+    position and over its own source. The output ends at [EOS]."""
+
+    def __init__(self, model, tokenizer, *, slots: int = 8, max_queue: int = 64, seed: int = 0):
+        from megalm.data.t5_dataset import t5_specials
+        cfg, p = model.cfg, next(model.parameters())
+        self.bos = t5_specials(tokenizer).bos
+        self.source_length = cfg.seq_length
+        layers, shape = cfg.num_layers - cfg.encoder_layers, (slots, cfg.kv_heads, cfg.seq_length, cfg.head_dim)
+        self.source_k = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(layers)]
+        self.source_v = [torch.zeros(shape, device=p.device, dtype=p.dtype) for _ in range(layers)]
+        self.source_mask = torch.zeros(slots, cfg.seq_length, dtype=torch.bool, device=p.device)
+        self.source_lengths = [0] * slots
+        super().__init__(model, tokenizer, seq_length=cfg.decoder_seq_length, slots=slots, max_queue=max_queue,
+                         seed=seed)
+
+    @staticmethod
+    def end_token(tokenizer) -> int:
+        from megalm.data.t5_dataset import t5_specials
+        return t5_specials(tokenizer).eos
+
+    def room(self, prompt_tokens: int) -> int:
+        """The decoder reads [BOS] and all but the last output token: decoder_seq_length - 1 tokens out,
+        whatever the source's length (which the encoder takes up to model.seq_length)."""
+        return self.seq_length - 1 if prompt_tokens <= self.source_length else -1
+
+    def submit(self, request: Request) -> None:
+        if request.sampling.max_tokens < 1 or request.sampling.prompt_logprobs:  # the API checks first
+            raise ValueError("an encoder-decoder model generates from its source; it does not score it")
+        super().submit(request)
+
+    def _logits(self, tokens: torch.Tensor, slots: List[int], starts: List[int]) -> torch.Tensor:
+        from megalm.models.t5 import Encoded
+        slots_t, starts_t = torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device)
+        rows = self.cache.rows(slots_t, starts_t, tokens.shape[1])
+        n = max(self.source_lengths[s] for s in slots)  # the longest source of these rows; the mask hides the rest
+        encoded = Encoded(None, self.source_mask[slots_t, :n][:, None, None, :],
+                          [(k[slots_t, :, :n], v[slots_t, :, :n]) for k, v in zip(self.source_k, self.source_v)])
+        logits = self.model.decode(tokens, encoded, cache=rows, positions=rows.positions, attention_mask=rows.mask())
+        return logits[..., :self.model_vocab].float()
+
+    def _prefill(self, r: Request) -> None:
+        source = torch.tensor([r.prompt], device=self.device)
+        encoded = self.model.encode(source, torch.ones_like(source))
+        n, s = len(r.prompt), r.slot
+        for (k, v), keep_k, keep_v in zip(encoded.cross_kv, self.source_k, self.source_v):
+            keep_k[s, :, :n], keep_v[s, :, :n] = k[0], v[0]
+        self.source_mask[s] = False
+        self.source_mask[s, :n] = True
+        self.source_lengths[s] = n
+        logits = self._logits(torch.tensor([[self.bos]], device=self.device), [s], [0])[0]
+        self.lengths[s] = 1
+        self._take(r, logits[-1])
