@@ -399,6 +399,56 @@ def test_pair_sample_layout_and_errors():
         pair_sample([10, 11, 12], [20, 21, 22, 23], 6, 4, SPECIALS, "f.jsonl:3")
     with pytest.raises(DataError, match="f.jsonl:3: the target is empty"):
         pair_sample([10], [], 6, 4, SPECIALS, "f.jsonl:3")
+    with pytest.raises(DataError, match="f.jsonl:3: the source is empty"):
+        pair_sample([], [10], 6, 4, SPECIALS, "f.jsonl:3")
+
+
+@pytest.mark.parametrize("model", ["t5_tiny", "gpt_tiny"])
+def test_parallel_text_files_are_the_pairs_json_lines_hold(tmp_path, model):
+    """data.pair_suffixes=[en, fr]: train.en and train.fr, line k of each a pair, give the samples that
+    JSON lines of the same pairs give: {prompt, response} for T5, a user / assistant chat (the template
+    between source and target) for a decoder. Files of different lengths, a missing file and a bad
+    suffix list are errors that name them."""
+    import json
+    from megalm.data import build_data
+    from megalm.models import family_of
+    pairs = [("1 2 3", "4 5"), ("6", "7 8 9"), ("10 11", "12"), ("13 14 15 16", "17"), ("5", "6")]
+    (tmp_path / "train.en").write_text("".join(f"{a}\n" for a, _ in pairs))
+    (tmp_path / "train.fr").write_text("".join(f"{b}\r\n" for _, b in pairs))  # line ends of either kind
+    with open(tmp_path / "train.jsonl", "w") as f:
+        for a, b in pairs:
+            f.write(json.dumps({"prompt": a, "response": b} if model == "t5_tiny" else
+                               {"messages": [{"role": "user", "content": a}, {"role": "assistant", "content": b}]})
+                    + "\n")
+    common = [f"model={model}", "data=sft", "data.tokenizer.type='null'", "data.tokenizer.vocab_size=256",
+              "data.split='60,40,0'", "data.chat_template='{content} 3 '"]  # the null tokenizer reads ids only
+
+    def data(*overrides):
+        cfg = load(*common, *overrides)
+        family = family_of(cfg.model.arch)
+        return build_data(cfg.data, seq_length=cfg.model.seq_length, seed=0,
+                          samples=family.samples(cfg.model) if family.samples else None)
+    files = data(f"data.paths=[{tmp_path / 'train'}]", "data.pair_suffixes=[en,fr]")
+    lines = data(f"data.paths=[{tmp_path / 'train.jsonl'}]")
+    for split in ("train", "valid"):
+        a, b = getattr(files, split), getattr(lines, split)
+        assert len(a) == len(b) > 0
+        for k in range(len(a)):
+            x, y = a[k], b[k]
+            x, y = (x, y) if isinstance(x, dict) else (dict(enumerate(x)), dict(enumerate(y)))
+            assert x.keys() == y.keys() and all(np.array_equal(x[n], y[n]) for n in x), (split, k)
+    (tmp_path / "short.en").write_text("1\n2\n3\n")
+    (tmp_path / "short.fr").write_text("1\n2\n")
+    with pytest.raises(DataError, match=r"short.en has 3 lines and .*short.fr 2"):
+        data(f"data.paths=[{tmp_path / 'short'}]", "data.pair_suffixes=[en,fr]")
+    with pytest.raises(DataError, match=r"train.de does not exist .*reads train.en and train.de"):
+        data(f"data.paths=[{tmp_path / 'train'}]", "data.pair_suffixes=[en,de]")
+    with pytest.raises(ConfigError, match=r"data.pair_suffixes=\['en'\] must be two file suffixes"):
+        data(f"data.paths=[{tmp_path / 'train'}]", "data.pair_suffixes=[en]")
+    (tmp_path / "blank.en").write_text("1\n2\n")
+    (tmp_path / "blank.fr").write_text("1\n\n")
+    with pytest.raises(DataError, match=r"blank.en:2: the target is empty"):
+        data(f"data.paths=[{tmp_path / 'blank'}]", "data.pair_suffixes=[en,fr]")
 
 
 def test_t5_learns_pairs_from_json_lines(tmp_path):

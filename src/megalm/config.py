@@ -255,6 +255,10 @@ class DataConfig:
     """sft: pack whole examples into each sequence, positions and attention reset per example (false: one, padded)."""
     chat_template: str = "{role}: {content}\n"
     """sft: how each chat message is written; the loss is on assistant messages' {content} and what follows it."""
+    pair_suffixes: List[str] = field(default_factory=list)
+    """sft: [] reads data.paths as JSON lines; [S, T] (e.g. [en, fr]) reads each data.paths entry PREFIX as the
+    line-aligned text files PREFIX.S (sources) and PREFIX.T (targets) of a translation corpus, line k a pair (a
+    decoder model sees it as a user's source and an assistant's target, through data.chat_template)."""
     check_vocab: bool = True
     """Scan each .bin once (result cached) for token ids outside the tokenizer's vocabulary."""
     prefetch: int = 2

@@ -227,9 +227,9 @@ def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
     with samples of its own (`samples.sft(tokenizer, seq_length)`: T5's source / target pairs) makes
     each example's sample itself."""
     if samples is not None and hasattr(samples, "sft"):
-        examples = read_records(cfg.paths, samples.sft(tokenizer, seq_length))
+        examples = read_records(cfg.paths, samples.sft(tokenizer, seq_length), cfg.pair_suffixes)
     else:
-        examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template)
+        examples = read_examples(cfg.paths, tokenizer, seq_length, cfg.chat_template, cfg.pair_suffixes)
     parts = split_documents(len(examples), cfg.split)
 
     def rows(part: range):

@@ -2,7 +2,10 @@
 
 Each line of the JSON-lines files in data.paths is one example, either
   {"prompt": str, "response": str}                        a single turn, or
-  {"messages": [{"role": str, "content": str}, ...]}      a chat, at least one "assistant" message.
+  {"messages": [{"role": str, "content": str}, ...]}      a chat, at least one "assistant" message;
+or, with data.pair_suffixes [S, T], each data.paths entry PREFIX names two line-aligned text files,
+PREFIX.S and PREFIX.T, whose line k is a pair (a translation corpus): a chat of the source as the
+user's message and the target as the assistant's (an encoder-decoder family reads the pair itself).
 An example becomes one sample of seq_length + 1 tokens, as training sees a document:
   [eod] prompt response [eod]             (loss on the response and the final eod)
   [eod] m1 m2 ... [eod]                   each message rendered by data.chat_template, split at
@@ -21,11 +24,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines
+from megalm.data.jsonl import json_lines, parallel_lines
 from megalm.errors import ConfigError, DataError
 
 ROLES = ("system", "user", "assistant")
@@ -91,29 +94,48 @@ def encode_example(pieces: Sequence[Tuple[str, bool]], tokenizer, seq_length: in
             np.array(learned + [False] * pad, dtype=bool))
 
 
-def read_examples(paths: Sequence[str], tokenizer, seq_length: int,
-                  template: str) -> List[Tuple[np.ndarray, np.ndarray]]:
-    examples = []
+def sft_records(paths: Sequence[str], pair_suffixes: Sequence[str] = (), as_chat: bool = False) -> Iterator[Tuple[str, dict]]:
+    """(where, record) of each example of data.paths: JSON lines; or, with data.pair_suffixes [S, T], the
+    line pairs of each PREFIX.S (sources) and PREFIX.T (targets), as {prompt: source, response: target},
+    or as a chat of a user's source and an assistant's target (`as_chat`: a decoder model, whose
+    data.chat_template then marks where the source ends and the target starts)."""
+    if pair_suffixes and (len(pair_suffixes) != 2 or not all(isinstance(s, str) and s for s in pair_suffixes)):
+        raise ConfigError(f"data.pair_suffixes={list(pair_suffixes)} must be two file suffixes, the source's and the "
+                          "target's (e.g. [en, fr]: PREFIX.en and PREFIX.fr), or [] for JSON lines")
     for p in paths:
         path = Path(p).expanduser()
-        if not path.is_file():
-            raise DataError(f"data.paths: {path} does not exist")
-        for where, record in json_lines(path):
-            examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
+        if not pair_suffixes:
+            if not path.is_file():
+                raise DataError(f"data.paths: {path} does not exist")
+            yield from json_lines(path)
+            continue
+        source, target = (path.with_name(f"{path.name}.{s}") for s in pair_suffixes)
+        for f in (source, target):
+            if not f.is_file():
+                raise DataError(f"data.paths: {f} does not exist (data.pair_suffixes={list(pair_suffixes)} reads "
+                                f"{source.name} and {target.name} for the prefix {path})")
+        for where, x, y in parallel_lines(source, target):
+            yield where, ({"messages": [{"role": "user", "content": x}, {"role": ASSISTANT, "content": y}]}
+                          if as_chat else {"prompt": x, "response": y})
+
+
+def read_examples(paths: Sequence[str], tokenizer, seq_length: int, template: str,
+                  pair_suffixes: Sequence[str] = ()) -> List[Tuple[np.ndarray, np.ndarray]]:
+    examples = []
+    for where, record in sft_records(paths, pair_suffixes, as_chat=True):
+        if pair_suffixes and not record["messages"][1]["content"]:
+            raise DataError(f"{where}: the target is empty: nothing to learn")
+        examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
     if not examples:
         raise DataError(f"data.paths {list(paths)} hold no examples")
     return examples
 
 
-def read_records(paths: Sequence[str], make: Callable[[dict, str], Dict[str, np.ndarray]]) -> List[Dict[str, np.ndarray]]:
-    """Each JSON-lines record of `paths` made into its sample by `make(record, where)` (a family's own
+def read_records(paths: Sequence[str], make: Callable[[dict, str], Dict[str, np.ndarray]],
+                 pair_suffixes: Sequence[str] = ()) -> List[Dict[str, np.ndarray]]:
+    """Each record of `paths` (sft_records) made into its sample by `make(record, where)` (a family's own
     samples: T5's source / target pairs), in file order."""
-    examples = []
-    for p in paths:
-        path = Path(p).expanduser()
-        if not path.is_file():
-            raise DataError(f"data.paths: {path} does not exist")
-        examples += [make(record, where) for where, record in json_lines(path)]
+    examples = [make(record, where) for where, record in sft_records(paths, pair_suffixes)]
     if not examples:
         raise DataError(f"data.paths {list(paths)} hold no examples")
     return examples

@@ -220,6 +220,8 @@ def pair_sample(source: List[int], target: List[int], seq_length: int, decoder_l
                 where: str = "a pair") -> Dict[str, np.ndarray]:
     """A fine-tuning sample of a (source, target) pair: the encoder reads the source, the decoder
     `[BOS] target` and learns `target [EOS]`; nothing is cut (a pair too long is an error naming it)."""
+    if not source:
+        raise DataError(f"{where}: the source is empty: the encoder needs at least one token")
     if not target:
         raise DataError(f"{where}: the target is empty: nothing to learn")
     if len(source) > seq_length or len(target) + 1 > decoder_length:
