@@ -97,7 +97,8 @@ class ParallelConfig:
     dp: int = -1
     """Data-parallel degree; -1 = world size / (tp * pp * cp)."""
     cp: int = 1
-    """Context-parallel degree (reserved; must be 1)."""
+    """Context-parallel degree: each sequence split over cp ranks (two chunks a rank, for causal balance), attention
+    passing keys and values around the ring (megalm.parallel.context); GPT-family language models."""
     sequence_parallel: bool = False
     """Shard norms and dropout over the sequence inside the tp group (needs tp > 1)."""
     pipeline_schedule: str = "1f1b"

@@ -151,9 +151,12 @@ def validate(cfg: Config, world_size: int) -> None:
     elif p.virtual_pipeline_size != 1 or p.layers_per_stage:
         raise ConfigError(f"parallel.virtual_pipeline_size={p.virtual_pipeline_size} / layers_per_stage="
                           f"{p.layers_per_stage} need pipeline parallelism (parallel.pp={p.pp})")
-    if p.sequence_parallel and m.seq_length % p.tp:
+    if p.sequence_parallel and m.seq_length % (p.tp * p.cp):
         raise ConfigError(f"parallel.sequence_parallel=true splits model.seq_length={m.seq_length} over "
-                          f"parallel.tp={p.tp}, which does not divide it")
+                          f"parallel.tp={p.tp}" + (f" (on each cp rank's {p.cp}th of it)" if p.cp > 1 else "")
+                          + ", which does not divide it")
+    if p.cp > 1:
+        _validate_context(cfg)
     if p.bucket_size_mb <= 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
@@ -278,6 +281,21 @@ def _validate_vocab(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size} (the {what}) is larger than model.vocab_size="
                           f"{m.vocab_size}; set model.vocab_size >= {tok.vocab_size} or data.tokenizer.vocab_size <= "
                           f"{m.vocab_size}")
+
+
+def _validate_context(cfg: Config) -> None:
+    """Context parallelism (parallel.cp > 1) splits a causal language model's sequences."""
+    p, m, d = cfg.parallel, cfg.model, cfg.data
+    if m.arch != "gpt" or getattr(m, "fine_tuning_head", False):
+        raise ConfigError(f"parallel.cp={p.cp} splits the sequences of a decoder language model (model.arch=gpt "
+                          f"without a fine-tuning head); model.arch={m.arch}"
+                          + (" has a fine-tuning head" if m.arch == "gpt" else "") + ": use parallel.cp=1")
+    if m.seq_length % (2 * p.cp):
+        raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2 x cp = {2 * p.cp} chunks (two a rank, for "
+                          f"causal load balance); model.seq_length={m.seq_length} does not divide")
+    if d.source == "sft" and d.packing:
+        raise ConfigError(f"parallel.cp={p.cp} attends over whole sequences; data.packing=true keeps attention inside "
+                          "each packed example, which the ring does not: use data.packing=false or parallel.cp=1")
 
 
 def _validate_pipeline(p: ParallelConfig, m: ModelConfig, per_step: int, global_batch: int) -> None:

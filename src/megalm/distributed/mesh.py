@@ -2,7 +2,8 @@
 
 Rank order follows Megatron: tp varies fastest, then cp, dp, pp, so a tensor-parallel group
 stays inside a node. Process groups are handed down from the mesh as arguments; nothing here
-is a module global.
+is a module global. With context parallelism the mesh also has `dp_cp`, dp and cp flattened:
+the ranks that hold the same weights (`replica_mesh`).
 """
 
 from __future__ import annotations
@@ -31,9 +32,7 @@ class ParallelDims:
     @classmethod
     def from_config(cls, p, world_size: int) -> "ParallelDims":
         """Resolve dp = -1 against the world size; every error carries the numbers."""
-        if p.cp != 1:
-            raise ConfigError(f"parallel.cp={p.cp}: context parallelism is reserved; use cp=1")
-        for key in ("tp", "pp"):
+        for key in ("tp", "pp", "cp"):
             if getattr(p, key) < 1:
                 raise ConfigError(f"parallel.{key}={getattr(p, key)} must be at least 1")
         model_parallel = p.tp * p.pp * p.cp
@@ -64,4 +63,16 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Optional["torch.distribu
         return None
     from torch.distributed.device_mesh import init_device_mesh
     shape = tuple(getattr(dims, d) for d in MESH_DIMS)
-    return init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+    if dims.cp > 1:
+        mesh["dp", "cp"]._flatten(REPLICAS)
+    return mesh
+
+
+REPLICAS = "dp_cp"  # the ranks holding the same weights: dp x cp, flattened (context parallelism)
+
+
+def replica_mesh(mesh):
+    """The mesh dimension over which gradients are averaged and ZeRO shards: dp, or dp x cp flattened
+    when context parallelism splits each sequence over cp ranks that hold the same weights."""
+    return mesh[REPLICAS] if mesh["cp"].size() > 1 else mesh["dp"]

@@ -85,6 +85,7 @@ class GPT(nn.Module):
         runs the head fused with the cross-entropy; in eval mode the forward still returns logits."""
         self.tie_weights()
         self._rope: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
+        self.context = None  # context parallelism (megalm.parallel.context): this rank's place in the sequence
 
     def tie_weights(self) -> None:
         """Share embedding and head weights (megalm.parallel.materialize keeps shared weights shared)."""
@@ -128,7 +129,13 @@ class GPT(nn.Module):
         if first and self.cfg.num_choices:
             tokens, = fold_choices((tokens,), self.cfg.num_choices)
         positions, segments = packed if packed else (positions, None)
-        x = self.embed(tokens, start, positions) if first else tokens  # (B, T, h), or a sequence shard under SP
+        if first:
+            # Context parallelism: this rank's tokens are two chunks of the sequence, at their own positions.
+            where = positions if positions is not None or self.context is None else \
+                self.context.positions(tokens.shape[1], tokens.device)
+            x = self.embed(tokens, start, where)  # (B, T, h), or a sequence shard under SP
+        else:
+            x = tokens
         rope = self.rope(max(self.cfg.seq_length, start + (tokens.shape[1] if first else 0)), x.device)
         mask = packed_attention_mask(segments) if segments is not None else attention_mask
         blocks = self.blocks.values() if part is None else [self.blocks[str(i)] for i in part.layers]

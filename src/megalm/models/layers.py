@@ -69,6 +69,7 @@ class Attention(nn.Module):
         self.core = AttentionCore(cfg.attention_dropout, causal)
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.context = None  # context parallelism (megalm.parallel.context): this rank's place in the sequence
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[KVCache] = None, start: int = 0, mask: Optional[torch.Tensor] = None,
@@ -85,6 +86,8 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
+        if positions is None and self.context is not None:
+            positions = self.context.positions(T, x.device)  # this rank's chunks of the sequence
         if rope is not None and positions is not None:
             cos, sin = rope[0][positions], rope[1][positions]  # (B, T, hd/2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -87,6 +87,11 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> L
         if tied:
             last_pp_rank = 0 if cfg.pipeline_schedule == "zbv" else pp.size() - 1
             layout.embedding_group = embedding_group(mesh, last_pp_rank)
+    if mesh["cp"].size() > 1:
+        # Context parallelism: the attention cores become the ring's (before TP wraps cores for its RNG).
+        from megalm.parallel.context import ContextParallel, apply_context_parallel
+        cp = mesh["cp"]
+        apply_context_parallel(model, ContextParallel(cp.get_group(), cp.get_local_rank(), cp.size()))
     if tp.size() > 1:
         # 2. Tensor (and sequence) parallel layers.
         from megalm.parallel.tp_plan import apply_tensor_parallel

@@ -84,7 +84,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0):
         self.model, self.zero_stage = model, zero_stage
-        dp = mesh["dp"]
+        from megalm.distributed.mesh import replica_mesh
+        dp = replica_mesh(mesh)  # dp, or dp x cp under context parallelism: every rank with the same weights
         self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         self.embedding_group = layout.embedding_group

@@ -47,7 +47,8 @@ def finalize_grads(model: nn.Module, mesh, layout) -> None:
     (the trainer uses megalm.parallel.data.DataParallel, which overlaps the dp reduction)."""
     if mesh is None:
         return
-    tp, dp = mesh["tp"], mesh["dp"]
+    from megalm.distributed.mesh import replica_mesh
+    tp, dp = mesh["tp"], replica_mesh(mesh)
     group = layout.embedding_group
     tied = []
     if group is not None:

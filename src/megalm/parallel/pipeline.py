@@ -91,12 +91,13 @@ class Pipeline:
     def _micro_batch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The model's loss on the samples `index` of the batch in flight: the schedule splits a
         target tensor only, so it carries sample indices and the loss gathers the batch's fields."""
+        from megalm.parallel.context import weighted_loss
         batch = {k: v[index] for k, v in self._batch.items()}
         if self.metrics_fn is None:
-            return self.loss_fn(output, batch)
+            return weighted_loss(self.loss_fn(output, batch), batch)
         loss, values = self.metrics_fn(output, batch)
         self._metrics.append(values)
-        return loss
+        return weighted_loss(loss, batch)
 
     def train_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,

@@ -60,7 +60,11 @@ class Trainer:
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
         self.tp_group = mesh["tp"].get_group() if mesh is not None else None
-        self.dp_group = mesh["dp"].get_group() if mesh is not None else None
+        # Samples are split over dp; the loss is averaged over dp x cp, whose ranks each hold part of a sample
+        # (context parallelism: megalm.parallel.context) and weight their losses to it.
+        self.context = getattr(model, "context", None)
+        from megalm.distributed.mesh import replica_mesh
+        self.dp_group = replica_mesh(mesh).get_group() if mesh is not None else None
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.dp_size = mesh["dp"].size() if mesh is not None else 1
         dp_rank, dp_size = self.dp_rank, self.dp_size
@@ -111,8 +115,9 @@ class Trainer:
     # -- one step --------------------------------------------------------------------------------
     def _batches(self, loader) -> List[Dict[str, torch.Tensor]]:
         """The loader's next micro-batches as the model's batch dicts, on this rank's device."""
-        return [{k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(mb).items()}
-                for mb in loader.next_batch()]
+        batches = [{k: v.to(self.device, non_blocking=True) for k, v in self.data.batch(mb).items()}
+                   for mb in loader.next_batch()]
+        return batches if self.context is None else [self.context.split(b) for b in batches]
 
     def _joined(self, micro_batches: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """One batch of the micro-batches, for the pipeline schedule to split again the same way."""
@@ -120,10 +125,12 @@ class Trainer:
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The model's loss on a batch, and its metrics (None when it reports none)."""
+        from megalm.parallel.context import weighted_loss
         output = self.model(*(batch[k] for k in self.inputs + tuple(k for k in self.optional_inputs if k in batch)))
         if self.metric_names:
-            return self.model.loss_and_metrics(output, batch)
-        return self.model.loss(output, batch), None
+            loss, values = self.model.loss_and_metrics(output, batch)
+            return weighted_loss(loss, batch), values
+        return weighted_loss(self.model.loss(output, batch), batch), None
 
     def _named(self, values: Optional[torch.Tensor], prefix: str = "") -> Dict[str, float]:
         """The model's metrics, averaged over dp, by name."""
@@ -188,7 +195,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         timer.phase("other")
         self.step += 1
-        self.throughput.add(self.cfg.global_batch_size * micro_batches[0][self.inputs[0]].shape[1])  # tokens a sample
+        tokens = micro_batches[0][self.inputs[0]].shape[1] * (self.context.size if self.context is not None else 1)
+        self.throughput.add(self.cfg.global_batch_size * tokens)  # tokens a sample
         out = {"loss": mean_over(total, self.dp_group).item(), "lr": lr, "grad_norm": norm.item(),
                **self._named(extra)}
         if self.scaler is not None:
