@@ -26,7 +26,8 @@ def group_files(group):
 # A model whose shape divides every shipped layout, for the layout presets.
 BIG = "model=gpt_175b"
 EXTRA = {("data", "indexed"): ["data.paths=[/corpus/prefix]", "data.tokenizer.model=/tok.model"],
-         ("model", "gpt_tiny"): ["data=mock"]}  # 256 ids: smaller than the default corpus's 8192-piece tokenizer
+         ("model", "gpt_tiny"): ["data=mock"],  # 256 ids: smaller than the default corpus's 8192-piece tokenizer
+         ("model", "moe_tiny"): ["data=mock"]}
 # BERT reads sentences, not the default code corpus; bert_tiny's 256 ids fit only mock data.
 EXTRA.update({("model", n): ["data=stdlib_prose"] for n in group_files("model") if n.startswith("bert_")})
 EXTRA[("model", "bert_tiny")] = ["data=mock"]

@@ -2,7 +2,8 @@
 
 Training FLOPs per token = 6 * N_matmul + 12 * L * s * h_attn, where
 - N_matmul counts the weights that multiply each token: in every block q/k/v, the attention
-  output projection and the MLP; plus the LM head (h x V_padded, a matmul even when tied to the
+  output projection and the MLP (a mixture of experts: the k experts a token runs, and the
+  router); plus the LM head (h x V_padded, a matmul even when tied to the
   embedding). Embedding look-ups, norms and biases do no matmul and are left out.
 - 12 * L * s * h_attn is attention itself: per layer QK^T and AV cost 2 * s * h_attn FLOPs each
   per token in the forward pass, and the backward pass costs twice the forward (x3).
@@ -19,6 +20,9 @@ def matmul_params(cfg: ModelConfig) -> int:
     qkv = h * (cfg.num_attention_heads + 2 * cfg.kv_heads) * hd
     proj = cfg.num_attention_heads * hd * h
     mlp = h * cfg.ffn_size * (3 if cfg.activation == "swiglu" else 2)
+    experts = getattr(cfg, "num_experts", 0)
+    if experts:  # a token runs k experts' MLPs, and the router
+        mlp = mlp * cfg.moe_router_topk + h * experts
     return cfg.num_layers * (qkv + proj + mlp) + h * cfg.padded_vocab_size
 
 

@@ -51,6 +51,19 @@ class GPTConfig(ModelConfig):
     whole logits (megalm.models.fused_loss); the same loss and gradients. Off by default: docs/PERFORMANCE.md."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused loss: its logits, (chunk, vocabulary / tp) in fp32, are the most it holds."""
+    num_experts: int = 0
+    """0: a dense MLP in every layer; E >= 2: a mixture of E experts of ffn_size each (megalm.models.moe)."""
+    moe_router_topk: int = 2
+    """Experts each token runs (Mixtral: 2)."""
+    moe_router_score_function: str = "softmax"
+    """softmax | sigmoid: how router logits become scores (the k chosen are renormalised to sum to 1)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Load-balancing loss coefficient (Megatron's --moe-aux-loss-coeff; 1e-2 is usual, 0: off)."""
+    moe_z_loss_coeff: float = 0.0
+    """Router z-loss coefficient (Megatron's --moe-z-loss-coeff; 1e-3 is usual, 0: off)."""
+    moe_capacity_factor: Optional[float] = None
+    """None: dropless (every assignment runs); f > 0: each expert takes ceil(f x tokens x k / E) assignments, its
+    highest-scored, and drops the rest."""
 
     @property
     def fine_tuning_head(self) -> bool:
@@ -67,7 +80,14 @@ class GPT(nn.Module):
         V = cfg.padded_vocab_size
         h = cfg.hidden_size
         self.embed: Optional[Embedding] = Embedding(cfg, V)
+        self.moe_stats = None
+        if getattr(cfg, "num_experts", 0):
+            from megalm.models.moe import MoE, MoEStats
+            self.moe_stats = MoEStats()  # what the layers' routers report, and their aux losses' gradient scale
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
+        if self.moe_stats is not None:
+            for i, block in self.blocks.items():
+                block.mlp = MoE(cfg, self.moe_stats, int(i))
         self.norm: Optional[nn.Module] = build_norm(cfg)
         self.head: Optional[nn.Linear] = LMHead(h, V, bias=False)
         self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
@@ -252,6 +272,34 @@ def validate(cfg, world_size: int) -> None:
                           f"{', '.join(POSITION_EMBEDDINGS)}{did_you_mean(str(m.position_embedding), POSITION_EMBEDDINGS)}")
     if m.head_dim % 2 and m.position_embedding == "rope":
         raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
+    if m.num_experts:
+        _validate_moe(cfg)
+
+
+MOE_SCORES = ("softmax", "sigmoid")
+
+
+def _validate_moe(cfg) -> None:
+    m, p = cfg.model, cfg.parallel
+    if m.num_experts < 2:
+        raise ConfigError(f"model.num_experts={m.num_experts}: a mixture needs at least 2 experts (0: a dense MLP)")
+    if not 1 <= m.moe_router_topk <= m.num_experts:
+        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in 1..model.num_experts={m.num_experts}")
+    if m.moe_router_score_function not in MOE_SCORES:
+        raise ConfigError(f"model.moe_router_score_function={m.moe_router_score_function!r} is not one of "
+                          f"{', '.join(MOE_SCORES)}")
+    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+        if getattr(m, key) < 0:
+            raise ConfigError(f"model.{key}={getattr(m, key)} must not be negative")
+    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
+        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive (or null: dropless)")
+    if getattr(m, "fine_tuning_head", False):
+        raise ConfigError("model.num_experts with a fine-tuning head is not supported; fine-tune a mixture of "
+                          "experts with its language-model head (data=sft)")
+    for key, value in (("tp", p.tp), ("cp", p.cp)):
+        if value > 1:
+            raise ConfigError(f"model.num_experts={m.num_experts} with parallel.{key}={value}: the experts do not "
+                              f"split over {key} yet; use data and pipeline parallelism (parallel.{key}=1)")
 
 
 FAMILY = Family(

@@ -23,7 +23,7 @@ def _name_seed(seed: int, name: str) -> int:
 
 @torch.no_grad()
 def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Sequence[str],
-                 scaled: Sequence[str] = ("attn.proj.weight", "mlp.fc2.weight")) -> None:
+                 scaled: Sequence[str] = ("attn.proj.weight", "mlp.fc2.weight", "experts.fc2.weight")) -> None:
     """Linear and embedding weights ~ N(0, init_std); residual output projections (names ending
     in `scaled`) use init_std / sqrt(2 * num_layers) as GPT-2 and Megatron do; norms get 1,
     biases 0. `vocab_params` draw their real vocabulary rows only (padding rows are 0)."""

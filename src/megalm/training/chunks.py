@@ -92,8 +92,10 @@ def place(flat: torch.Tensor, local_shape: Sequence[int], start: int, stop: int,
     tensor of `local_shape`, held by the 1-D `flat`. `spec` is its TPShard (None: not split),
     `rows` keeps only global rows below it (the real vocabulary)."""
     shape = tuple(local_shape)
+    if len(shape) == 3:  # stacked matrices (a mixture's experts): stored as the rows of each, one after another
+        shape = (shape[0] * shape[1], shape[2])
     if len(shape) not in (1, 2):
-        raise ValueError(f"sharded checkpoint blocks need 1-D or 2-D tensors, not shape {shape}")
+        raise ValueError(f"sharded checkpoint blocks need 1-D, 2-D or stacked 2-D tensors, not shape {shape}")
     one_d = len(shape) == 1
     shape2 = (1, shape[0]) if one_d else shape
     dim = None if spec is None else (1 if one_d else spec.dim)

@@ -56,6 +56,7 @@ class Trainer:
         self.inputs = family.inputs  # the batch keys the model's forward takes
         self.optional_inputs = family.optional_inputs  # and those it takes when a batch has them
         self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.loss_and_metrics reports
+        self.moe = getattr(model, "moe_stats", None)  # a mixture of experts' routing record (megalm.models.moe)
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
@@ -154,6 +155,9 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         extra = torch.zeros(len(self.metric_names), device=self.device) if self.metric_names else None
         scale = self.scaler.scale if self.scaler is not None else 1.0
+        if self.moe is not None:  # the routers' aux losses count as the loss does: per micro-batch, loss-scaled
+            self.moe.reset()
+            self.moe.grad_scale = scale / len(micro_batches)
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
@@ -201,7 +205,24 @@ class Trainer:
                **self._named(extra)}
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
+        if self.moe is not None:
+            out.update(self._moe_report(len(micro_batches)))
         return out
+
+    def _moe_report(self, micro_batches: int) -> Dict[str, float]:
+        """The step's routing: aux and z losses (summed over layers, each stage's, averaged over micro-batches
+        and dp), the share of assignments dropped, and the busiest expert's load over the mean (the most of
+        any layer and micro-batch)."""
+        values = self.moe.values(micro_batches).to(self.device)
+        sums, load = values[:4].clone(), values[4:].clone()
+        for group in (self.pp_group, self.dp_group):
+            if group is not None:
+                torch.distributed.all_reduce(sums, group=group)
+                torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX, group=group)
+        dp = torch.distributed.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        aux, z, dropped, assigned = sums.tolist()
+        return {"moe_aux_loss": aux / (micro_batches * dp), "moe_z_loss": z / (micro_batches * dp),
+                "moe_dropped": dropped / max(assigned, 1.0), "moe_load_max": load.item()}
 
     def _skip(self, scale: float, loss: float) -> None:
         """fp16 overflow: skip the update as Megatron does, but stop a run whose scale cannot recover."""

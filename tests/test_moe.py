@@ -1,0 +1,175 @@
+"""Mixture of experts (model.num_experts): the layer against a token-by-token reference, the
+auxiliary losses' gradients against autograd of the summed loss, and training at data and pipeline
+layouts against the single process (fp32, relative 1e-5 on every step's loss and aux loss)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from distributed import run_ranks
+from megalm.errors import ConfigError
+from test_parallel_model import _rank_runs, load
+
+
+def _cfg(**kw):
+    from megalm.models.gpt import GPTConfig
+    fields = dict(name="m", num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=64,
+                  ffn_hidden_size=24, activation="swiglu", num_experts=4, moe_router_topk=2,
+                  moe_aux_loss_coeff=1e-2, moe_z_loss_coeff=1e-3)
+    fields.update(kw)
+    return GPTConfig(**fields)
+
+
+def _layer(cfg, seed=0):
+    from megalm.models.moe import MoE
+    torch.manual_seed(seed)
+    layer = MoE(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, 0.5)
+    return layer
+
+
+def _reference(layer, x, capacity=None):
+    """Token by token: the router's top-k experts, each expert's MLP as plain matrices, the weighted
+    sum; with a capacity, each expert keeps its `capacity` highest-scored assignments."""
+    cfg_topk, E = layer.topk, layer.num_experts
+    tokens = x.reshape(-1, x.shape[-1])
+    logits = tokens @ layer.router.weight.T
+    if layer.score_function == "softmax":
+        scores = torch.softmax(logits, -1)
+    else:
+        scores = torch.sigmoid(logits)
+    scores = scores.detach()
+    chosen = [sorted(range(E), key=lambda e: -float(scores[t, e]))[:cfg_topk] for t in range(len(tokens))]
+    weight = {}
+    for t, experts in enumerate(chosen):
+        total = sum(float(scores[t, e]) for e in experts)
+        for e in experts:
+            weight[t, e] = scores[t, e] / total if (layer.score_function == "softmax" or cfg_topk > 1) else scores[t, e]
+    if capacity is not None:
+        for e in range(E):
+            mine = sorted([t for t in range(len(tokens)) if (t, e) in weight], key=lambda t: (-float(weight[t, e]), t))
+            for t in mine[capacity:]:
+                del weight[t, e]
+    out = torch.zeros_like(tokens)
+    w1, w2 = layer.experts.fc1.weight, layer.experts.fc2.weight
+    for (t, e), w in weight.items():
+        gate, up = (tokens[t] @ w1[e]).chunk(2)
+        out[t] += w * ((F.silu(gate) * up) @ w2[e])
+    return out.view_as(x), len(chosen) * cfg_topk - len(weight)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_the_layer_is_its_token_by_token_reference(score, capacity_factor):
+    cfg = _cfg(moe_router_score_function=score, moe_capacity_factor=capacity_factor)
+    layer = _layer(cfg).train()
+    x = torch.randn(3, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+    capacity = None if capacity_factor is None else math.ceil(capacity_factor * 24 * 2 / 4)
+    want, dropped = _reference(layer, x, capacity)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    report = layer.stats.values(1)
+    assert report[2] == dropped and report[3] == 48
+    assert (dropped > 0) == (capacity_factor is not None)
+
+
+def test_aux_and_z_losses_add_their_gradients_where_the_router_made_them():
+    """The layer's output carries the load-balancing and z losses' gradients (not its value): the
+    router's and the input's gradients are those of output . g + aux + z, both written out here."""
+    cfg = _cfg()
+    layer = _layer(cfg).train()
+    x = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
+    g = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    (layer(x) * g).sum().backward()
+    got = layer.router.weight.grad.clone(), x.grad.clone()
+    layer.zero_grad()
+    x.grad = None
+    layer.eval()  # the same routing, without the hooked losses
+    tokens = x.reshape(-1, cfg.hidden_size)
+    logits = tokens @ layer.router.weight.T
+    probs = torch.softmax(logits, -1)
+    counts = torch.bincount(logits.topk(2, -1).indices.reshape(-1), minlength=4).float()
+    aux = 1e-2 * 4 * (probs.mean(0) * counts / (16 * 2)).sum()  # Switch Transformer's, Megatron's coefficients
+    z = 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    ((layer(x) * g).sum() + aux + z).backward()
+    torch.testing.assert_close(got[0], layer.router.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[1], x.grad, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got[0], layer.router.weight.grad * 0)
+
+
+STEPS = 4
+BASE = ["model=moe_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",
+        "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.eval_steps=1", "trainer.eval_interval=2",
+        "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "optimizer.warmup_steps=1",
+        "optimizer.lr=1e-2", "cluster.peak_flops=1e12", "trainer.grad_clip=1.0", "parallel.bucket_size_mb=0.02",
+        "model.moe_aux_loss_coeff=0.1", "model.moe_z_loss_coeff=0.01"]
+LAYOUTS = [
+    (["parallel=dp2"], 2),
+    (["parallel=pp2"], 2),
+    (["parallel.recompute=full", "model.moe_capacity_factor=1.0"], 1),
+    (["parallel=dp2", "parallel.zero_stage=3", "model.moe_capacity_factor=1.0"], 2),
+    (["parallel=pp2_dp2", "parallel.zero_stage=1", "model.moe_router_score_function=sigmoid"], 4),
+]
+
+
+def _records(run_dir: Path):
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    keys = ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped")
+    return {k: [r[k] for r in recs if "loss" in r] for k in keys}, [r["val_loss"] for r in recs if "val_loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The single runs (one per router setting a layout uses) and every layout's."""
+    from megalm.train import run
+    out, single = {}, {}
+    for i, (overrides, world) in enumerate(LAYOUTS):
+        model = tuple(o for o in overrides if o.startswith("model."))
+        if model not in single:
+            single[model] = tmp_path_factory.mktemp("moe_single")
+            run(load(*BASE, *model), single[model], 1)
+    for world in sorted({w for _, w in LAYOUTS}):
+        mine = [i for i, (_, w) in enumerate(LAYOUTS) if w == world]
+        dirs = {i: tmp_path_factory.mktemp(f"moe{i}") for i in mine}
+        jobs = [([*BASE, *LAYOUTS[i][0]], str(dirs[i])) for i in mine]
+        if world == 1:
+            for i in mine:
+                run(load(*jobs[mine.index(i)][0]), dirs[i], 1)
+        else:
+            run_ranks(world, _rank_runs, jobs, timeout=300.0 * len(jobs))
+        out.update(dirs)
+    return single, out
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=["-".join(o) for o, _ in LAYOUTS])
+def test_a_mixture_trains_at_a_layout_as_the_single_process(runs, index):
+    single, layouts = runs
+    overrides, _ = LAYOUTS[index]
+    ref, ref_val = _records(single[tuple(o for o in overrides if o.startswith("model."))])
+    got, val = _records(layouts[index])
+    for key in ("loss", "moe_aux_loss", "moe_z_loss"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5), key
+    assert got["moe_dropped"] == pytest.approx(ref["moe_dropped"], abs=1e-9)
+    assert val == pytest.approx(ref_val, rel=1e-5) and ref_val[-1] != ref_val[0]
+    assert all(a > 0 for a in ref["moe_aux_loss"])
+    if "model.moe_capacity_factor=1.0" in overrides:
+        assert max(ref["moe_dropped"]) > 0  # the capacity did drop assignments
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.moe_router_topk=5", r"model.moe_router_topk=5 must be in 1..model.num_experts=4"),
+    ("model.moe_router_score_function=relu", r"'relu' is not one of softmax, sigmoid"),
+    ("model.moe_capacity_factor=0", r"model.moe_capacity_factor=0.0 must be positive"),
+    ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
+    ("parallel=tp2", r"the experts do not split over tp yet"),
+])
+def test_bad_mixture_settings_are_refused(override, message):
+    from megalm.validation import validate
+    cfg = load(*BASE, override)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1))
