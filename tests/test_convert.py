@@ -50,6 +50,11 @@ def _hf_config(kind):
                                         num_key_value_heads=2, intermediate_size=48, max_position_embeddings=T,
                                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
                                         rms_norm_eps=1e-5, tie_word_embeddings=False, **common)
+    if kind == "mixtral":  # 4 experts, 2 a token, grouped-query attention
+        return transformers.MixtralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                          num_key_value_heads=2, intermediate_size=24, max_position_embeddings=T,
+                                          num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                                          rope_parameters={"rope_type": "default", "rope_theta": 1e6}, **common)
     if kind == "llama_mqa_bias_tied":
         return transformers.LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
                                         num_key_value_heads=1, intermediate_size=40, max_position_embeddings=T,
@@ -85,7 +90,7 @@ def _megalm_from(ckpt: Path, cfg: ModelConfig):
     return model
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "llama_gqa", "llama_mqa_bias_tied"])
+@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "llama_gqa", "llama_mqa_bias_tied", "mixtral"])
 def test_import_matches_transformers_and_round_trips(tmp_path, kind):
     hf_dir, ckpt, back = tmp_path / "hf", tmp_path / "ckpt", tmp_path / "back"
     sharded = kind == "llama_gqa"  # several files and an index json, as large models come
@@ -102,6 +107,8 @@ def test_import_matches_transformers_and_round_trips(tmp_path, kind):
     assert read_model_config(ckpt / "config.yaml") == cfg
     if kind == "llama_gqa":
         assert (cfg.num_query_groups, cfg.rope_theta, cfg.tie_embeddings) == (2, 500000.0, False)
+    if kind == "mixtral":
+        assert (cfg.num_experts, cfg.moe_router_topk, cfg.rope_theta) == (4, 2, 1e6)
     model = _megalm_from(ckpt, cfg)
     with torch.no_grad():
         got = model(tokens)
@@ -142,7 +149,11 @@ MEGALM_VARIANTS = {
                       tie_embeddings=False, num_query_groups=2, rope_theta=5e5, norm_eps=1e-6),
     "llama_bias_tied": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu",
                             num_query_groups=1),
+    "mixtral": dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False,
+                    tie_embeddings=False, num_query_groups=2, num_experts=4, moe_router_topk=2, ffn_hidden_size=24),
 }
+HF_CLASSES = {"gpt2": "GPT2LMHeadModel", "gpt2_untied": "GPT2LMHeadModel", "llama_gqa": "LlamaForCausalLM",
+              "llama_bias_tied": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 def _save_run(run_dir: Path, cfg: ModelConfig, seed=3) -> Path:
@@ -168,7 +179,7 @@ def test_export_loads_in_transformers(tmp_path, tiny_model_cfg, variant):
     model = _save_run(tmp_path / "run", cfg)
     out = export_to_hf(tmp_path / "run", tmp_path / "hf")
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
-    assert type(hf).__name__ == ("GPT2LMHeadModel" if variant.startswith("gpt2") else "LlamaForCausalLM")
+    assert type(hf).__name__ == HF_CLASSES[variant]
     tokens = _tokens(cfg.vocab_size)
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, model(tokens)[..., :cfg.vocab_size], **TOL)
@@ -196,6 +207,11 @@ def test_locate_run_dir_checkpoint_dir_and_step_folder(tmp_path, tiny_model_cfg)
     (dict(bias=False), r"model.bias=False.*GPT2LMHeadModel.*True"),
     (dict(normalization="rmsnorm"), r"model.normalization='rmsnorm'.*'layernorm'"),
     (dict(num_query_groups=2), r"model.num_query_groups=2.*grouped-query.*null or 4"),
+    (dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False, num_experts=4,
+          moe_capacity_factor=1.0), r"model.moe_capacity_factor=1.0.*MixtralForCausalLM.*None"),
+    (dict(position_embedding="rope", normalization="rmsnorm", activation="swiglu", bias=False, num_experts=4,
+          moe_router_score_function="sigmoid"), r"model.moe_router_score_function='sigmoid'.*'softmax'"),
+    (dict(num_experts=4), r"model.num_experts=4.*GPT2LMHeadModel.*Mixtral"),
 ])
 def test_export_refuses_what_hf_cannot_represent(tiny_model_cfg, change, match):
     with pytest.raises(UnsupportedArchitecture, match=match):

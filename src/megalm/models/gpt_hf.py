@@ -1,9 +1,12 @@
-"""The GPT family's Hugging Face mapping (Family.hf): GPT2LMHeadModel and LlamaForCausalLM.
+"""The GPT family's Hugging Face mapping (Family.hf): GPT2LMHeadModel, LlamaForCausalLM and
+MixtralForCausalLM.
 
-Two Hugging Face architectures are exactly what megalm's GPT computes:
+Three Hugging Face architectures are exactly what megalm's GPT computes:
 
-    GPT2LMHeadModel   learned positions + LayerNorm (with bias) + GELU (tanh) + biases everywhere
-    LlamaForCausalLM  RoPE (rotate-half) + RMSNorm + SwiGLU + GQA, biases optional
+    GPT2LMHeadModel     learned positions + LayerNorm (with bias) + GELU (tanh) + biases everywhere
+    LlamaForCausalLM    RoPE (rotate-half) + RMSNorm + SwiGLU + GQA, biases optional
+    MixtralForCausalLM  Llama's layers without biases, each MLP a mixture of SwiGLU experts with a
+                        softmax top-k router, dropless (model.num_experts)
 
 Anything else (a mix such as rope + layernorm, GQA in GPT-2, rope scaling, a head_dim that is
 not hidden / heads, ...) is refused with an error naming the field, its value and what is
@@ -24,6 +27,10 @@ hd head dim, f MLP width, V vocabulary):
       separate q_proj (nh hd, h), k_proj / v_proj (nkv hd, h), o_proj; gate_proj, up_proj,
       down_proj. HF's q/k rows are already in the rotate-half order of megalm's apply_rope
       (channel pairs (j, j + hd/2)), so no permutation: qkv is q, k, v stacked; fc1 is gate, up.
+    Mixtral (as its checkpoints keep it)
+      block_sparse_moe.gate (E, h) is megalm's mlp.router; expert e's w1 (gate) and w3 (up), each
+      (f, h), and w2 (h, f). megalm stacks the experts: mlp.experts.fc1.weight (E, h, 2 f) with
+      columns [gate | up], i.e. [w1^T | w3^T] per expert, and mlp.experts.fc2.weight (E, f, h), w2^T.
 
 Which rules apply is decided by the megalm model built from the config: its parameters are
 what must be filled (no bias rules when bias=false, no position table for rope, no head when tied).
@@ -31,18 +38,21 @@ what must be filled (no bias rules when bias=false, no position table for rope, 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any, Dict, List, Optional
 
-from megalm.convert.rules import CONV1D, QKV, Rule, UnsupportedArchitecture, rows
+import torch
+
+from megalm.convert.rules import CONV1D, QKV, Rule, Transform, UnsupportedArchitecture, rows
 from megalm.convert.rules import check as _check, get as _get, unsupported as _unsupported
 from megalm.errors import ConfigError
 from megalm.models.gpt import GPTConfig
 
 log = logging.getLogger("megalm.convert")
 
-ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}
+ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 """Hugging Face model_type -> the class this mapping reads and writes."""
 GATE_UP = rows(lambda c: [c.ffn_size, c.ffn_size])
 
@@ -90,14 +100,41 @@ def _llama_rules() -> List[Rule]:
     ]
 
 
+def _experts_fc1():
+    """[w1^T | w3^T] of each expert, stacked: (E, h, 2 f) from 2 E tensors (w1, w3 of expert 0, then 1, ...)."""
+    def split(t, c):
+        return [part.t().contiguous() for e in range(t.shape[0]) for part in t[e].chunk(2, dim=1)]
+
+    def join(ts, c):
+        return torch.stack([torch.cat([ts[2 * e].t(), ts[2 * e + 1].t()], dim=1) for e in range(len(ts) // 2)])
+    return Transform(split, join)
+
+
+STACKED_T = Transform(lambda t, c: [m.t().contiguous() for m in t], lambda ts, c: torch.stack([m.t() for m in ts]))
+"""Each expert's matrix, transposed, stacked along a new first dim (fc2: (E, f, h) from E (h, f))."""
+
+
+def _mixtral_rules(cfg) -> List[Rule]:
+    h = "model.layers.{i}."
+    moe = h + "block_sparse_moe."
+    E = cfg.num_experts if cfg is not None else 0
+    dense = [r for r in _llama_rules() if ".mlp." not in r.megalm and not r.megalm.endswith(".bias")]
+    return dense + [
+        Rule("blocks.{i}.mlp.router.weight", (moe + "gate.weight",)),
+        Rule("blocks.{i}.mlp.experts.fc1.weight",
+             tuple(moe + f"experts.{e}.{w}.weight" for e in range(E) for w in ("w1", "w3")), _experts_fc1()),
+        Rule("blocks.{i}.mlp.experts.fc2.weight", tuple(moe + f"experts.{e}.w2.weight" for e in range(E)), STACKED_T),
+    ]
+
+
 RULES = {"gpt2": _gpt2_rules(), "llama": _llama_rules()}
 # HF tensors that are not weights: GPT-2's causal-mask buffers, old Llama rotary tables.
 IGNORED = re.compile(r"(\.attn\.(masked_)?bias|\.rotary_emb\.inv_freq)$")
 
 
 def rules(arch: str, cfg=None) -> List[Rule]:
-    """The rules of `arch` (the same for every config: "{i}" stands for each layer)."""
-    return RULES[arch]
+    """The rules of `arch` ("{i}" stands for each layer; Mixtral's name each of cfg's experts)."""
+    return _mixtral_rules(cfg) if arch == "mixtral" else RULES[arch]
 
 
 def tied_copies(cfg: GPTConfig) -> Dict[str, str]:
@@ -113,6 +150,13 @@ def export_arch(cfg: GPTConfig) -> str:
         need = {"model.normalization": (cfg.normalization, ("layernorm",)),
                 "model.activation": (cfg.activation, ("gelu",)),
                 "model.bias": (cfg.bias, (True,))}
+    elif cfg.position_embedding == "rope" and cfg.num_experts:
+        arch, target = "mixtral", "MixtralForCausalLM"
+        why = " (chosen by model.position_embedding='rope' and model.num_experts)"
+        need = {"model.normalization": (cfg.normalization, ("rmsnorm",)),
+                "model.activation": (cfg.activation, ("swiglu",)), "model.bias": (cfg.bias, (False,)),
+                "model.moe_router_score_function": (cfg.moe_router_score_function, ("softmax",)),
+                "model.moe_capacity_factor": (cfg.moe_capacity_factor, (None,))}
     elif cfg.position_embedding == "rope":
         arch, target = "llama", "LlamaForCausalLM"
         why = " (chosen by model.position_embedding='rope')"
@@ -130,6 +174,9 @@ def export_arch(cfg: GPTConfig) -> str:
         raise _unsupported("model.num_query_groups", cfg.num_query_groups, target,
                            f"null or {cfg.num_attention_heads} (= num_attention_heads)",
                            ": GPT-2 has no grouped-query attention")
+    if arch == "gpt2" and cfg.num_experts:
+        raise _unsupported("model.num_experts", cfg.num_experts, target, "0",
+                           ": Hugging Face's mixture of experts is Mixtral (model.position_embedding='rope')")
     if cfg.hidden_size != cfg.num_attention_heads * cfg.head_dim:
         raise _unsupported("model.hidden_size", cfg.hidden_size, target,
                            f"a multiple of num_attention_heads={cfg.num_attention_heads}")
@@ -151,6 +198,10 @@ def hf_config(cfg: GPTConfig, arch: str, dtype: str = "float32", eod: Optional[i
         log.warning("model.dropout=%g has no LlamaForCausalLM field (it only has attention_dropout); "
                     "the exported config has no hidden dropout (inference is unaffected)", cfg.dropout)
     rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    if arch == "mixtral":
+        common.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                      router_aux_loss_coef=cfg.moe_aux_loss_coeff, router_jitter_noise=0.0, output_router_logits=False,
+                      sliding_window=None)
     # rope_theta + rope_scaling for transformers 4.x, rope_parameters for 5.x.
     return dict(common, hidden_size=cfg.hidden_size, intermediate_size=cfg.ffn_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_attention_heads,
@@ -182,6 +233,13 @@ def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int
                               f"n_positions={cfg.seq_length} from config.json; allowed: {cfg.seq_length}")
     else:
         _check(hf, "hidden_act", "silu", ("silu",), " (megalm's swiglu gates with silu)")
+        if kind == "mixtral":
+            _check(hf, "router_jitter_noise", 0.0, (0, 0.0), " (megalm's router adds no noise)")
+            window = hf.get("sliding_window")
+            if window is not None and window < (seq_length or _get(hf, "max_position_embeddings")):
+                raise UnsupportedArchitecture(f"config.json: sliding_window={window} is shorter than the sequence, and "
+                                              "megalm attends to every earlier token: allowed: null, or at least "
+                                              "the sequence length")
         # transformers 5 keeps rope settings in rope_parameters, 4.x in rope_theta + rope_scaling.
         for key in ("rope_parameters", "rope_scaling"):
             rope = hf.get(key) or {}
@@ -198,7 +256,8 @@ def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int
         h, heads = _get(hf, "hidden_size"), _get(hf, "num_attention_heads")
         if h % heads:
             raise UnsupportedArchitecture(f"config.json: hidden_size={h} is not divisible by num_attention_heads={heads}")
-        _check(hf, "head_dim", h // heads, (h // heads,), " (megalm's head dim is hidden_size / num_attention_heads)")
+        _check(dict(hf, head_dim=hf.get("head_dim") or h // heads), "head_dim", h // heads, (h // heads,),
+               " (megalm's head dim is hidden_size / num_attention_heads)")  # null: that default
         kv = _get(hf, "num_key_value_heads", heads)
         cfg = GPTConfig(
             name=name, num_layers=_get(hf, "num_hidden_layers"), hidden_size=h, num_attention_heads=heads,
@@ -209,4 +268,8 @@ def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int
             tie_embeddings=bool(_get(hf, "tie_word_embeddings", False)),
             attention_dropout=float(_get(hf, "attention_dropout", 0.0)),
             init_std=float(_get(hf, "initializer_range", 0.02)))
+        if kind == "mixtral":
+            cfg = dataclasses.replace(cfg, num_experts=_get(hf, "num_local_experts"),
+                                      moe_router_topk=_get(hf, "num_experts_per_tok"),
+                                      moe_aux_loss_coeff=float(_get(hf, "router_aux_loss_coef", 0.0)))
     return cfg
