@@ -114,12 +114,17 @@ LAYOUTS = [
     (["parallel.recompute=full", "model.moe_capacity_factor=1.0"], 1),
     (["parallel=dp2", "parallel.zero_stage=3", "model.moe_capacity_factor=1.0"], 2),
     (["parallel=pp2_dp2", "parallel.zero_stage=1", "model.moe_router_score_function=sigmoid"], 4),
+    # Expert parallelism: the experts split over ep of the dp ranks, tokens sent to them and back.
+    (["parallel=dp2", "parallel.ep=2"], 2),
+    (["parallel=dp2", "parallel.ep=2", "parallel.zero_stage=1", "model.moe_capacity_factor=1.0"], 2),
+    (["parallel=dp4", "parallel.ep=2", "parallel.zero_stage=2"], 4),
+    (["parallel=pp2_dp2", "parallel.ep=2", "model.moe_router_score_function=sigmoid"], 4),
 ]
 
 
 def _records(run_dir: Path):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keys = ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped")
+    keys = ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped", "grad_norm")
     return {k: [r[k] for r in recs if "loss" in r] for k in keys}, [r["val_loss"] for r in recs if "val_loss" in r]
 
 
@@ -155,10 +160,67 @@ def test_a_mixture_trains_at_a_layout_as_the_single_process(runs, index):
     for key in ("loss", "moe_aux_loss", "moe_z_loss"):
         assert got[key] == pytest.approx(ref[key], rel=1e-5), key
     assert got["moe_dropped"] == pytest.approx(ref["moe_dropped"], abs=1e-9)
+    # The global gradient norm: experts split over ep counted once (step 1: the same weights; later steps
+    # 1e-4, as Adam turns float-level gradient differences into weight differences).
+    assert got["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert val == pytest.approx(ref_val, rel=1e-5) and ref_val[-1] != ref_val[0]
     assert all(a > 0 for a in ref["moe_aux_loss"])
     if "model.moe_capacity_factor=1.0" in overrides:
         assert max(ref["moe_dropped"]) > 0  # the capacity did drop assignments
+
+
+CKPT = ["checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=4"]
+
+
+def test_an_expert_parallel_checkpoint_continues_the_curve_in_one_process(tmp_path):
+    """Saved at step 2 at dp2 x ep2 with ZeRO-1 (each rank holding 2 of each layer's 4 experts, and half of
+    the other weights' Adam state), loaded into one process for steps 3 and 4: the single process's curve."""
+    from megalm.train import run
+    run(load(*BASE, *CKPT), tmp_path / "single", 1)
+    ref, _ = _records(tmp_path / "single")
+    run_ranks(2, _rank_runs, [([*BASE, *CKPT, "parallel=dp2", "parallel.ep=2", "parallel.zero_stage=1",
+                                "trainer.max_steps=2"], str(tmp_path / "ep"))])
+    run(load(*BASE, *CKPT, f"checkpoint.load={tmp_path / 'ep' / 'checkpoints' / 'step_00000002'}"),
+        tmp_path / "after", 1)
+    assert _records(tmp_path / "ep")[0]["loss"] == pytest.approx(ref["loss"][:2], rel=1e-5)
+    assert _records(tmp_path / "after")[0]["loss"] == pytest.approx(ref["loss"][2:], rel=1e-5)
+
+
+def _expert_split(rank, world):
+    """At dp2 x ep2: each rank's expert weights, and the bytes its layers' all-to-alls sent in one forward."""
+    from megalm.data import build_data, collate
+    from megalm.distributed.comm import count_comm
+    from megalm.distributed.mesh import ParallelDims, build_mesh
+    from megalm.models import build_model, init_weights
+    from megalm.parallel import materialize, parallelize
+    cfg = load(*BASE, "parallel=dp2", "parallel.ep=2")
+    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
+    model = build_model(cfg.model, "meta")
+    parallelize(model, mesh, cfg.parallel)
+    materialize(model, "cpu")
+    init_weights(model, cfg.model, 0)
+    data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=0)
+    batch = data.batch(collate([data.train[i] for i in range(2 * rank, 2 * rank + 2)]))
+    with count_comm() as stats:
+        model(batch["tokens"])
+    weights = {n: p.detach().clone() for n, p in model.named_parameters() if "experts" in n}
+    return weights, stats.bytes.get("all_to_all", 0)
+
+
+def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_tokens():
+    """Each of 2 ranks holds 2 of the 4 experts of a layer, the slice of the full stack the single
+    process initialises; and each forward sends every kept (token, expert) row out and back."""
+    from megalm.models import build_model, init_weights
+    cfg = load(*BASE)
+    full = build_model(cfg.model)
+    init_weights(full, cfg.model, 0)
+    whole = dict(full.named_parameters())
+    for rank, (weights, sent) in enumerate(run_ranks(2, _expert_split)):
+        assert weights and all(w.shape[0] == 2 for w in weights.values())
+        for name, w in weights.items():
+            assert torch.equal(w, whole[name][2 * rank:2 * rank + 2].detach()), name
+        assert sent > 0
 
 
 @pytest.mark.parametrize("override,message", [
@@ -167,6 +229,7 @@ def test_a_mixture_trains_at_a_layout_as_the_single_process(runs, index):
     ("model.moe_capacity_factor=0", r"model.moe_capacity_factor=0.0 must be positive"),
     ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
     ("parallel=tp2", r"the experts do not split over tp yet"),
+    ("parallel.ep=3", r"parallel.ep=3 must divide model.num_experts=4"),
 ])
 def test_bad_mixture_settings_are_refused(override, message):
     from megalm.validation import validate

@@ -96,6 +96,9 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     dp: int = -1
     """Data-parallel degree; -1 = world size / (tp * pp * cp)."""
+    ep: int = 1
+    """Expert-parallel degree: each mixture-of-experts layer's experts split over ep of the dp ranks (ep divides
+    dp), tokens sent to their experts' ranks and back by all-to-all (megalm.parallel.experts)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (two chunks a rank, for causal balance), attention
     passing keys and values around the ring (megalm.parallel.context); GPT-family language models."""

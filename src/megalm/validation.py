@@ -157,6 +157,7 @@ def validate(cfg: Config, world_size: int) -> None:
                           + ", which does not divide it")
     if p.cp > 1:
         _validate_context(cfg)
+    _validate_experts(cfg, dims.dp)
     if p.bucket_size_mb <= 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
@@ -281,6 +282,28 @@ def _validate_vocab(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer.vocab_size={tok.vocab_size} (the {what}) is larger than model.vocab_size="
                           f"{m.vocab_size}; set model.vocab_size >= {tok.vocab_size} or data.tokenizer.vocab_size <= "
                           f"{m.vocab_size}")
+
+
+def _validate_experts(cfg: Config, dp: int) -> None:
+    """Expert parallelism (parallel.ep) splits a mixture's experts over ep of the dp ranks."""
+    p, m = cfg.parallel, cfg.model
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep={p.ep} must be at least 1")
+    if p.ep == 1:
+        return
+    experts = getattr(m, "num_experts", 0)
+    if not experts:
+        raise ConfigError(f"parallel.ep={p.ep} splits the experts of a mixture of experts; model={m.name} has none "
+                          "(model.num_experts=0): use parallel.ep=1")
+    if experts % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide model.num_experts={experts} (each rank holds the same "
+                          "number of experts)")
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel degree dp={dp}: the expert-parallel "
+                          "ranks are data-parallel ranks")
+    if p.zero_stage == 3:
+        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_stage=3 is not supported yet; use zero_stage 0, 1 "
+                          "or 2")
 
 
 def _validate_context(cfg: Config) -> None:

@@ -38,7 +38,7 @@ def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Se
             std = out_std if name.endswith(tuple(scaled)) else cfg.init_std
             # A tensor-parallel shard (tagged `tp_shard` by megalm.parallel) draws the full tensor
             # of its global name and keeps its own slice, so the weights do not depend on tp.
-            shard = getattr(p, "tp_shard", None)
+            shard = getattr(p, "tp_shard", None) or getattr(p, "ep_shard", None)
             shape = list(p.shape)
             if shard is not None:
                 shape[shard.dim] *= shard.world

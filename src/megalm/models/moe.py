@@ -120,6 +120,7 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
         self.stats = stats if stats is not None else MoEStats()
+        self.ep_group = None  # expert parallelism (megalm.parallel.experts): this rank holds E / ep experts
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights (N, k), experts (N, k), softmax probabilities (N, E), logits (N, E)) of N tokens (N, h)."""
@@ -153,7 +154,11 @@ class MoE(nn.Module):
             kept_counts = torch.bincount(flat[keep], minlength=E)
         offsets = torch.cumsum(kept_counts, 0).to(torch.int32)
         rows = order // k  # the token of each kept assignment, in expert order
-        y = self.experts(tokens[rows], offsets)
+        if self.ep_group is None:
+            y = self.experts(tokens[rows], offsets)
+        else:  # the rows go to the ranks holding their experts, and come back
+            from megalm.parallel.experts import dispatch
+            y = dispatch(self.experts, tokens[rows], kept_counts, self.ep_group)
         y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
         out = torch.zeros(N, h, dtype=y.dtype, device=y.device).index_add_(0, rows, y)
         # Recorded once per training forward: not a recomputation inside backward, nor a pipeline's

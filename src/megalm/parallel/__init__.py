@@ -43,6 +43,10 @@ class Layout:
     """This rank's copy of that weight, by parameter name (its gradient is summed over the group)."""
     tp_rng: Optional[TPRNG] = None
     """The tensor-parallel random streams (megalm.parallel.random), when tp > 1."""
+    ep_group: Optional[object] = None
+    """Expert parallelism: the ranks that split each MoE layer's experts with this one (megalm.parallel.experts)."""
+    edp_group: Optional[object] = None
+    """And the ranks holding the same experts as this one, over which their gradients are reduced."""
 
     @property
     def pipelined(self) -> bool:
@@ -87,6 +91,11 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> L
         if tied:
             last_pp_rank = 0 if cfg.pipeline_schedule == "zbv" else pp.size() - 1
             layout.embedding_group = embedding_group(mesh, last_pp_rank)
+    if cfg.ep > 1:
+        # Expert parallelism: this rank keeps E / ep of every MoE layer's experts (before TP sees the layers).
+        from megalm.parallel.experts import apply_expert_parallel, expert_groups
+        layout.ep_group, layout.edp_group = expert_groups(mesh, cfg.ep)
+        apply_expert_parallel(model, layout.ep_group)
     if mesh["cp"].size() > 1:
         # Context parallelism: the attention cores become the ring's (before TP wraps cores for its RNG).
         from megalm.parallel.context import ContextParallel, apply_context_parallel

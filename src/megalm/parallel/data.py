@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from megalm.distributed.comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
 from megalm.parallel.grads import sum_replicas
 
 # Tags of a model parameter that its ZeRO shard carries (for the norm and the replica sums).
-SHARD_TAGS = ("tp_shard", "sequence_parallel", "tied_copy_of")
+SHARD_TAGS = ("tp_shard", "ep_shard", "sequence_parallel", "tied_copy_of")
 
 
 @dataclass
@@ -77,6 +78,11 @@ class Bucket:
     gather_work: object = None
     pending: set = field(default_factory=set)  # parameters whose gradient this micro-batch is due
     in_use: bool = False                       # inside its unit's forward
+    # The group its collectives run over (dp; the expert-data-parallel group for experts' weights
+    # split by expert parallelism), its size, and this rank's place in it.
+    group: object = None
+    world: int = 1
+    rank: int = 0
 
 
 class DataParallel:
@@ -88,6 +94,11 @@ class DataParallel:
         dp = replica_mesh(mesh)  # dp, or dp x cp under context parallelism: every rank with the same weights
         self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
+        # Experts split by expert parallelism (tagged ep_shard) are reduced over the ranks holding the same
+        # experts (expert data parallel: dp / ep of them) and, like every gradient, divided by dp.
+        self.edp_group = getattr(layout, "edp_group", None)
+        self.edp = dist.get_world_size(self.edp_group) if self.edp_group is not None else self.dp
+        self.edp_rank = dist.get_rank(self.edp_group) if self.edp_group is not None else self.dp_rank
         self.embedding_group = layout.embedding_group
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.tied = layout.tied_param(model)  # summed over the embedding group
@@ -107,21 +118,25 @@ class DataParallel:
 
     # -- layout ----------------------------------------------------------------------------------
     def _param_groups(self, cap: int) -> List[List[nn.Parameter]]:
-        """Parameters of each bucket, in the order backward produces their gradients."""
+        """Parameters of each bucket, in the order backward produces their gradients; experts split by
+        expert parallelism in buckets of their own (another group reduces them)."""
         groups: List[List[nn.Parameter]] = []
-        current: List[nn.Parameter] = []
-        filled = 0
-        for p in reversed(self.params):  # backward produces the last layers' gradients first
-            if p is self.tied:  # its own bucket: both stages of the embedding group shard it alike
-                groups.append([p])
-                continue
-            if current and filled + p.numel() > cap:
+        for experts in (False, True):
+            current: List[nn.Parameter] = []
+            filled = 0
+            for p in reversed(self.params):  # backward produces the last layers' gradients first
+                if (getattr(p, "ep_shard", None) is not None) != experts:
+                    continue
+                if p is self.tied:  # its own bucket: both stages of the embedding group shard it alike
+                    groups.append([p])
+                    continue
+                if current and filled + p.numel() > cap:
+                    groups.append(current)
+                    current, filled = [], 0
+                current.append(p)
+                filled += p.numel()
+            if current:
                 groups.append(current)
-                current, filled = [], 0
-            current.append(p)
-            filled += p.numel()
-        if current:
-            groups.append(current)
         return groups
 
     def _build_buckets(self, cap: int, device) -> None:
@@ -131,9 +146,13 @@ class DataParallel:
             for p in params:
                 offsets.append(n)
                 n += p.numel()
-            size = math.ceil(n / self.dp) * self.dp
-            bucket = Bucket(params, offsets, size, size // self.dp)
-            lo = self.dp_rank * bucket.shard_size
+            if getattr(params[0], "ep_shard", None) is not None:
+                group, world, rank = self.edp_group, self.edp, self.edp_rank
+            else:
+                group, world, rank = self.dp_group, self.dp, self.dp_rank
+            size = math.ceil(n / world) * world
+            bucket = Bucket(params, offsets, size, size // world, group=group, world=world, rank=rank)
+            lo = rank * bucket.shard_size
             if self.zero_stage <= 1:  # persistent full gradient buffer; zero 2 allocates it per step
                 bucket.grad = torch.zeros(size, dtype=torch.float32, device=device)
             if self.zero_stage == 1:  # reduce-scattered in place, as Megatron's distributed optimizer
@@ -148,7 +167,7 @@ class DataParallel:
         """Move parameters into flat per-bucket buffers and cut out this rank's shard of each."""
         for b in self.buckets:
             b.param_buf = torch.zeros(b.size, dtype=self.params[0].dtype, device=device)
-            lo, hi = self.dp_rank * b.shard_size, (self.dp_rank + 1) * b.shard_size
+            lo, hi = b.rank * b.shard_size, (b.rank + 1) * b.shard_size
             for p, off in zip(b.params, b.offsets):
                 view = b.param_buf[off:off + p.numel()]
                 view.copy_(p.detach().reshape(-1))
@@ -166,7 +185,7 @@ class DataParallel:
 
     def _owned(self, b: Bucket) -> torch.Tensor:
         """The flat parameters of this rank's chunk of bucket `b`, which its optimizer updates."""
-        return b.param_buf[self.dp_rank * b.shard_size:(self.dp_rank + 1) * b.shard_size]
+        return b.param_buf[b.rank * b.shard_size:(b.rank + 1) * b.shard_size]
 
     @property
     def shards(self) -> List[Shard]:
@@ -210,9 +229,9 @@ class DataParallel:
 
     def _launch(self, b: Bucket) -> None:
         if self.sharded:
-            b.work = bucket_reduce_scatter(b.grad_shard, b.grad, self.dp_group, async_op=True)
+            b.work = bucket_reduce_scatter(b.grad_shard, b.grad, b.group, async_op=True)
         else:
-            b.work = bucket_all_reduce(b.grad, self.dp_group, async_op=True)
+            b.work = bucket_all_reduce(b.grad, b.group, async_op=True)
 
     def finish(self) -> None:
         """After the step's backward: wait for every bucket, average, and sum the replicas."""
@@ -256,8 +275,8 @@ class DataParallel:
         """ZeRO: every rank gets every bucket's updated parameters (in place in the model)."""
         works = []
         for b in self.buckets:  # in place: this rank's chunk is already where the output wants it
-            mine = b.param_buf[self.dp_rank * b.shard_size:(self.dp_rank + 1) * b.shard_size]
-            works.append(bucket_all_gather(b.param_buf, mine, self.dp_group, async_op=True))
+            mine = b.param_buf[b.rank * b.shard_size:(b.rank + 1) * b.shard_size]
+            works.append(bucket_all_gather(b.param_buf, mine, b.group, async_op=True))
         for w in works:
             w.wait()
 

@@ -63,14 +63,20 @@ def finalize_grads(model: nn.Module, mesh, layout) -> None:
         _all_reduce_coalesced(grads, dp.get_group(), scale=1.0 / dp.size())
 
 
-def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, dp_group=None) -> torch.Tensor:
+def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, dp_group=None,
+                 ep_group=None) -> torch.Tensor:
     """Squared global L2 norm of the gradients, each parameter counted once across tp and pp.
 
-    With `dp_group` the params are ZeRO shards, disjoint over dp: their sums add up over it."""
-    sharded, replicated = [], []
+    With `dp_group` the params are ZeRO shards, disjoint over dp: their sums add up over it. Experts
+    split by expert parallelism (tagged ep_shard) are disjoint over `ep_group`; as ZeRO shards (over
+    the dp / ep ranks holding the same experts) they are disjoint over all of dp."""
+    sharded, replicated, experts = [], [], []
     for p in params:
         if p.grad is not None and getattr(p, "tied_copy_of", None) is None:
-            (sharded if getattr(p, "tp_shard", None) is not None else replicated).append(p.grad)
+            if getattr(p, "ep_shard", None) is not None:
+                (replicated if dp_group is not None else experts).append(p.grad)
+            else:
+                (sharded if getattr(p, "tp_shard", None) is not None else replicated).append(p.grad)
 
     def sq(grads: List[torch.Tensor]) -> torch.Tensor:
         if not grads:
@@ -85,15 +91,20 @@ def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, d
     if tp_group is not None:
         all_reduce_sum(total_sharded, tp_group)
     total = total_sharded + total_replicated
+    if experts:
+        total_experts = sq(experts).to(total.device)
+        if ep_group is not None:
+            all_reduce_sum(total_experts, ep_group)
+        total = total + total_experts
     if pp_group is not None:  # stages hold disjoint layers
         all_reduce_sum(total, pp_group)
     return total
 
 
 def clip_grads(params: List[nn.Parameter], max_norm: float, tp_group=None,
-               pp_group=None, dp_group=None) -> Tuple[torch.Tensor, bool]:
+               pp_group=None, dp_group=None, ep_group=None) -> Tuple[torch.Tensor, bool]:
     """Global gradient norm before clipping, and whether it was finite; scales grads to max_norm."""
-    norm = grad_norm_sq(params, tp_group, pp_group, dp_group).sqrt()
+    norm = grad_norm_sq(params, tp_group, pp_group, dp_group, ep_group).sqrt()
     finite = bool(torch.isfinite(norm))
     if max_norm > 0 and finite:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -191,7 +191,7 @@ class Trainer:
             self._skip(scale, mean_over(total, self.dp_group).item())
         else:
             norm, finite = clip_grads(self.params, self.cfg.grad_clip, self.tp_group, self.pp_group,
-                                      self.shard_group)
+                                      self.shard_group, getattr(self.layout, "ep_group", None))
             if not finite:  # the norm is global, so every rank stops here together
                 self._diverged(norm.item(), mean_over(total, self.dp_group).item())
             self.optimizer.step()

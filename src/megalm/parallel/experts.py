@@ -1,0 +1,87 @@
+"""Expert parallelism (parallel.ep): each mixture-of-experts layer's experts split over ep ranks.
+
+The ep ranks are data-parallel ranks (ep divides dp, ep varying fastest within dp, as Megatron-Core
+carves its expert-parallel groups out of data parallelism): each runs its own micro-batches through
+the dense parts, and holds E / ep of every layer's experts (rank r: experts r E/ep .. (r+1) E/ep - 1,
+tagged `ep_shard`, a dim-0 TPShard, so init and checkpoints place them in the full stack).
+
+In a layer, each rank routes its own tokens exactly as one process would (so capacity, dropping and
+the auxiliary losses are the single process's, per micro-batch), sorts the kept (token, expert)
+assignments by expert, and `dispatch` sends each expert's rows to the rank holding it: an
+all-to-all of the per-expert counts, then one all-to-all of the rows (autograd's, whose backward is
+the reverse all-to-all). The receiver groups what came by local expert, runs its experts as one
+grouped computation, puts the rows back in arrival order, and a second all-to-all returns them to
+their tokens' ranks, which weight and sum them as without expert parallelism.
+
+Gradients: a rank's expert weights gather the gradients of every ep rank's tokens; the ranks that
+hold the same experts (the expert-data-parallel group, dp / ep of them) sum them and, like every
+gradient, divide by dp (megalm.parallel.data.DataParallel: experts' buckets over that group, ZeRO
+shards there too). In the gradient norm experts count once: summed over ep (or, as ZeRO shards,
+over dp).
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megalm.distributed.comm import _record
+from megalm.parallel.tensor import TPShard
+
+
+def expert_groups(mesh, ep: int) -> Tuple[object, object]:
+    """(this rank's ep group, its expert-data-parallel group): dp split into dp / ep blocks of ep
+    consecutive dp ranks; the ep group is this rank's block, the edp group its position in every block."""
+    from torch.distributed.device_mesh import DeviceMesh
+    pp, dp, cp, tp = (mesh[d].size() for d in ("pp", "dp", "cp", "tp"))
+    ranks = mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
+    experts = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
+    return experts["ep"].get_group(), experts["edp"].get_group()
+
+
+def apply_expert_parallel(model: nn.Module, group) -> None:
+    """Keep this rank's E / ep experts of every MoE layer (on the meta device, before materialize)."""
+    from megalm.models.moe import MoE, GroupedLinear
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        local = module.num_experts // world
+        for name in ("fc1", "fc2"):
+            old = getattr(module.experts, name).weight
+            with torch.device(old.device):  # meta: no memory yet
+                new = GroupedLinear(local, old.shape[1], old.shape[2])
+            new.weight.ep_shard = TPShard(dim=0, rank=rank, world=world)
+            setattr(module.experts, name, new)
+        module.ep_group = group
+
+
+def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+    """Rows of x to the ranks (in_splits of them to each), rows from them (out_splits), with autograd."""
+    from torch.distributed.nn.functional import all_to_all_single
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    with _record("all_to_all", x.numel() * x.element_size()):
+        return all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+
+
+def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+    """The experts' outputs for `rows` (sorted by global expert, counts[e] of expert e), computed on the
+    ranks holding the experts: rows out, grouped computation there, rows back."""
+    world = dist.get_world_size(group)
+    local = counts.numel() // world
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)  # [source, my expert] counts
+    received = received.view(world, local)
+    send = counts.view(world, local).sum(1).tolist()
+    arrive = received.sum(1).tolist()
+    x = _all_to_all(rows, arrive, send, group)
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(world),
+                                            received.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    offsets = torch.cumsum(received.sum(0), 0).to(torch.int32)
+    y = experts(x[by_expert], offsets)
+    y = y[torch.argsort(by_expert)]  # back in arrival order
+    return _all_to_all(y, send, arrive, group)
