@@ -119,6 +119,11 @@ LAYOUTS = [
     (["parallel=dp2", "parallel.ep=2", "parallel.zero_stage=1", "model.moe_capacity_factor=1.0"], 2),
     (["parallel=dp4", "parallel.ep=2", "parallel.zero_stage=2"], 4),
     (["parallel=pp2_dp2", "parallel.ep=2", "model.moe_router_score_function=sigmoid"], 4),
+    # Under tp and cp each rank routes its own tokens (experts replicated there), the aux losses over all.
+    (["parallel=tp2"], 2),
+    (["parallel=tp2", "parallel.sequence_parallel=true"], 2),
+    (["parallel.cp=2"], 2),
+    (["parallel=tp2_dp2", "parallel.ep=2", "parallel.sequence_parallel=true"], 4),
 ]
 
 
@@ -228,11 +233,11 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_toke
     ("model.moe_router_score_function=relu", r"'relu' is not one of softmax, sigmoid"),
     ("model.moe_capacity_factor=0", r"model.moe_capacity_factor=0.0 must be positive"),
     ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
-    ("parallel=tp2", r"the experts do not split over tp yet"),
+    ("parallel=tp2 model.moe_capacity_factor=1.0", r"capacity is chosen over a micro-batch's tokens, which tp splits"),
     ("parallel.ep=3", r"parallel.ep=3 must divide model.num_experts=4"),
 ])
 def test_bad_mixture_settings_are_refused(override, message):
     from megalm.validation import validate
-    cfg = load(*BASE, override)
+    cfg = load(*BASE, *override.split())
     with pytest.raises(ConfigError, match=message):
         validate(cfg, cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1))

@@ -296,10 +296,15 @@ def _validate_moe(cfg) -> None:
     if getattr(m, "fine_tuning_head", False):
         raise ConfigError("model.num_experts with a fine-tuning head is not supported; fine-tune a mixture of "
                           "experts with its language-model head (data=sft)")
+    if p.tp > 1 and m.seq_length % (p.tp * p.cp):
+        raise ConfigError(f"model.num_experts={m.num_experts} with parallel.tp={p.tp}: each tp rank routes its share "
+                          f"of the sequence, which model.seq_length={m.seq_length} (per cp rank: / {p.cp}) must "
+                          "divide into")
     for key, value in (("tp", p.tp), ("cp", p.cp)):
-        if value > 1:
-            raise ConfigError(f"model.num_experts={m.num_experts} with parallel.{key}={value}: the experts do not "
-                              f"split over {key} yet; use data and pipeline parallelism (parallel.{key}=1)")
+        if value > 1 and m.moe_capacity_factor is not None:
+            raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.{key}={value}: an "
+                              f"expert's capacity is chosen over a micro-batch's tokens, which {key} splits over "
+                              "ranks; use dropless routing (model.moe_capacity_factor=null)")
 
 
 FAMILY = Family(

@@ -121,6 +121,11 @@ class MoE(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
         self.stats = stats if stats is not None else MoEStats()
         self.ep_group = None  # expert parallelism (megalm.parallel.experts): this rank holds E / ep experts
+        # Tensor / context parallelism (megalm.parallel.experts.split_tokens): the ranks a micro-batch's tokens
+        # are split over in this layer (the aux losses are over all of them), and the tp group when the layer
+        # itself cuts a replicated sequence into tp shards and gathers the outputs (tp without SP).
+        self.token_group = None
+        self.split_group = None
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights (N, k), experts (N, k), softmax probabilities (N, E), logits (N, E)) of N tokens (N, h)."""
@@ -136,6 +141,12 @@ class MoE(nn.Module):
         return weights, experts, probs, logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_group is not None:  # each tp rank routes its shard of the (replicated) sequence
+            from megalm.distributed.comm import gather_seq_replicated, scatter_seq
+            return gather_seq_replicated(self._forward(scatter_seq(x, self.split_group)), self.split_group)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
         tokens = x.reshape(-1, h)
         N, E, k = tokens.shape[0], self.num_experts, self.topk
@@ -182,8 +193,16 @@ class MoE(nn.Module):
     def _aux_losses(self, tokens: torch.Tensor, probs: torch.Tensor, logits: torch.Tensor, counts: torch.Tensor):
         """(tokens that carry the auxiliary losses' gradient back to the router, aux value, z value)."""
         N, E, k = probs.shape[0], self.num_experts, self.topk
-        aux = self.aux_coeff * E * (probs.mean(0) * (counts.float() / (N * k))).sum() if self.aux_coeff else None
-        z = self.z_coeff * torch.logsumexp(logits, dim=-1).square().mean() if self.z_coeff else None
+        counts = counts.float()
+        if self.token_group is not None:
+            # The micro-batch's tokens are split over the group (equal shares): the losses are over all of them.
+            # Each rank's part adds up to them: its tokens' probabilities against every rank's counts.
+            import torch.distributed as dist
+            counts = counts.clone()
+            dist.all_reduce(counts, group=self.token_group)
+            N = N * dist.get_world_size(self.token_group)
+        aux = self.aux_coeff * E * (probs.sum(0) / N * (counts / (N * k))).sum() if self.aux_coeff else None
+        z = self.z_coeff * torch.logsumexp(logits, dim=-1).square().sum() / N if self.z_coeff else None
         terms = [t for t in (aux, z) if t is not None]
         if terms and torch.is_grad_enabled():
             tokens = _AddAuxGrad.apply(tokens, sum(terms), self.stats.grad_scale)

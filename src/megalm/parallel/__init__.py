@@ -114,6 +114,10 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> L
             # The last stage's copy of the tied weight: initialised from the source's name, and left
             # out of the gradient norm (the first stage counts that matrix).
             held[copy].tied_copy_of = source
+    if getattr(model.cfg, "num_experts", 0):
+        # A mixture under tp / cp: each rank routes its own tokens (experts replicated over tp and cp).
+        from megalm.parallel.experts import split_tokens
+        split_tokens(model, mesh, cfg.sequence_parallel)
     # 3. Activation recomputation, after TP so it sees (and replays) the tp dropout stream.
     apply_recompute(model, cfg, layout)
     return layout

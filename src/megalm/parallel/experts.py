@@ -1,4 +1,5 @@
-"""Expert parallelism (parallel.ep): each mixture-of-experts layer's experts split over ep ranks.
+"""Expert parallelism (parallel.ep): each mixture-of-experts layer's experts split over ep ranks;
+and how a mixture runs under tensor and context parallelism (`split_tokens`).
 
 The ep ranks are data-parallel ranks (ep divides dp, ep varying fastest within dp, as Megatron-Core
 carves its expert-parallel groups out of data parallelism): each runs its own micro-batches through
@@ -57,6 +58,29 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
             new.weight.ep_shard = TPShard(dim=0, rank=rank, world=world)
             setattr(module.experts, name, new)
         module.ep_group = group
+
+
+def split_tokens(model: nn.Module, mesh, sequence_parallel: bool) -> None:
+    """Tensor and context parallelism of the MoE layers: each rank routes and computes its own tokens
+    (tp: its sequence shard, cut here from the replicated sequence unless SP already did; cp: its
+    chunks), with the router and experts replicated over tp (whose ranks then hold partial gradients of
+    them, summed over tp like SP's norms) and cp. The aux losses are over every token of the group."""
+    from megalm.models.moe import MoE
+    tp, cp = mesh["tp"], mesh["cp"]
+    if tp.size() == 1 and cp.size() == 1:
+        return
+    if tp.size() > 1 and cp.size() > 1:
+        token_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
+    else:
+        token_group = (tp if tp.size() > 1 else cp).get_group()
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        module.token_group = token_group
+        if tp.size() > 1:
+            module.split_group = None if sequence_parallel else tp.get_group()
+            for p in module.parameters():
+                p.sequence_parallel = True
 
 
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:

@@ -157,7 +157,8 @@ class Trainer:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.moe is not None:  # the routers' aux losses count as the loss does: per micro-batch, loss-scaled
             self.moe.reset()
-            self.moe.grad_scale = scale / len(micro_batches)
+            # Context parallelism averages gradients over cp ranks whose aux losses are parts of the whole: x cp.
+            self.moe.grad_scale = scale / len(micro_batches) * (self.context.size if self.context is not None else 1)
         if self.pipeline is not None:
             # The schedule splits the batch into the same micro-batches and averages their gradients.
             self.pipeline.loss_scale = scale
@@ -215,11 +216,15 @@ class Trainer:
         any layer and micro-batch)."""
         values = self.moe.values(micro_batches).to(self.device)
         sums, load = values[:4].clone(), values[4:].clone()
-        for group in (self.pp_group, self.dp_group):
+        # Summed over stages (their layers) and over tp and cp (each rank's tokens: parts of the micro-batch's
+        # losses), averaged over dp.
+        groups = [self.pp_group] + ([self.mesh[d].get_group() for d in ("tp", "cp", "dp") if self.mesh[d].size() > 1]
+                                    if self.mesh is not None else [])
+        for group in groups:
             if group is not None:
                 torch.distributed.all_reduce(sums, group=group)
                 torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX, group=group)
-        dp = torch.distributed.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        dp = self.mesh["dp"].size() if self.mesh is not None else 1
         aux, z, dropped, assigned = sums.tolist()
         return {"moe_aux_loss": aux / (micro_batches * dp), "moe_z_loss": z / (micro_batches * dp),
                 "moe_dropped": dropped / max(assigned, 1.0), "moe_load_max": load.item()}
