@@ -73,8 +73,9 @@ def test_the_layer_is_its_token_by_token_reference(score, capacity_factor):
     capacity = None if capacity_factor is None else math.ceil(capacity_factor * 24 * 2 / 4)
     want, dropped = _reference(layer, x, capacity)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
-    report = layer.stats.values(1)
+    report = layer.stats.values(1, 4)
     assert report[2] == dropped and report[3] == 48
+    assert report[5:].sum() == 48 - dropped  # the assignments each expert kept
     assert (dropped > 0) == (capacity_factor is not None)
 
 
@@ -129,7 +130,7 @@ LAYOUTS = [
 
 def _records(run_dir: Path):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keys = ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped", "grad_norm")
+    keys = ("loss", "moe_aux_loss", "moe_z_loss", "moe_dropped", "grad_norm", "moe_tokens_per_expert")
     return {k: [r[k] for r in recs if "loss" in r] for k in keys}, [r["val_loss"] for r in recs if "val_loss" in r]
 
 
@@ -165,6 +166,9 @@ def test_a_mixture_trains_at_a_layout_as_the_single_process(runs, index):
     for key in ("loss", "moe_aux_loss", "moe_z_loss"):
         assert got[key] == pytest.approx(ref[key], rel=1e-5), key
     assert got["moe_dropped"] == pytest.approx(ref["moe_dropped"], abs=1e-9)
+    # Every expert's assignments over the step (4 layers x 8 samples x 32 tokens x 2 experts, less any dropped).
+    assert got["moe_tokens_per_expert"] == ref["moe_tokens_per_expert"]
+    assert [sum(c) for c in ref["moe_tokens_per_expert"]] == [round(4 * 8 * 32 * 2 * (1 - d)) for d in ref["moe_dropped"]]
     # The global gradient norm: experts split over ep counted once (step 1: the same weights; later steps
     # 1e-4, as Adam turns float-level gradient differences into weight differences).
     assert got["grad_norm"][0] == pytest.approx(ref["grad_norm"][0], rel=1e-5)

@@ -44,18 +44,20 @@ class MoEStats:
     def reset(self) -> None:
         self.records: Dict[int, List[Tuple]] = {}
 
-    def add(self, layer: int, aux, z, dropped: int, assigned: int, load_max) -> None:
-        self.records.setdefault(layer, []).append((aux, z, dropped, assigned, load_max))
+    def add(self, layer: int, aux, z, dropped: int, assigned: int, load_max, counts: torch.Tensor) -> None:
+        self.records.setdefault(layer, []).append((aux, z, dropped, assigned, load_max, counts))
 
-    def values(self, micro_batches: int) -> torch.Tensor:
+    def values(self, micro_batches: int, num_experts: int) -> torch.Tensor:
         """(aux, z, dropped, assigned summed over this rank's layers and the step's micro-batches; the largest
-        load). Each layer's last `micro_batches` forwards count: a pipeline's first step also runs a
-        probing forward, before the real ones, to learn its stages' shapes."""
+        load; then the assignments kept by each expert, summed alike). Each layer's last `micro_batches`
+        forwards count: a pipeline's first step also runs a probing forward, before the real ones, to learn
+        its stages' shapes."""
         rows = [r for layer in self.records.values() for r in layer[-micro_batches:]]
         if not rows:
-            return torch.zeros(5, dtype=torch.float64)
+            return torch.zeros(5 + num_experts, dtype=torch.float64)
         sums = [sum(float(r[i]) for r in rows) for i in range(4)]
-        return torch.tensor([*sums, max(float(r[4]) for r in rows)], dtype=torch.float64)
+        counts = torch.stack([r[5].detach().double().cpu() for r in rows]).sum(0)
+        return torch.cat([torch.tensor([*sums, max(float(r[4]) for r in rows)], dtype=torch.float64), counts])
 
 
 class _AddAuxGrad(torch.autograd.Function):
@@ -176,7 +178,7 @@ class MoE(nn.Module):
         # shape-probing forward (under no_grad, on placeholder inputs).
         if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
             self.stats.add(self.layer_idx, aux if aux is not None else 0.0, z if z is not None else 0.0,
-                           N * k - len(order), N * k, kept_counts.max().float() * E / max(N * k, 1))
+                           N * k - len(order), N * k, kept_counts.max().float() * E / max(N * k, 1), kept_counts)
         return self.dropout(out.view(B, T, h).to(x.dtype))
 
     @staticmethod

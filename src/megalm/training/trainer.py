@@ -212,10 +212,10 @@ class Trainer:
 
     def _moe_report(self, micro_batches: int) -> Dict[str, float]:
         """The step's routing: aux and z losses (summed over layers, each stage's, averaged over micro-batches
-        and dp), the share of assignments dropped, and the busiest expert's load over the mean (the most of
-        any layer and micro-batch)."""
-        values = self.moe.values(micro_batches).to(self.device)
-        sums, load = values[:4].clone(), values[4:].clone()
+        and dp), the share of assignments dropped, the busiest expert's load over the mean (the most of any
+        layer and micro-batch), and the assignments each expert took (summed over layers and the whole batch)."""
+        values = self.moe.values(micro_batches, self.model.cfg.num_experts).to(self.device)
+        sums, load = torch.cat([values[:4], values[5:]]), values[4:5].clone()
         # Summed over stages (their layers) and over tp and cp (each rank's tokens: parts of the micro-batch's
         # losses), averaged over dp.
         groups = [self.pp_group] + ([self.mesh[d].get_group() for d in ("tp", "cp", "dp") if self.mesh[d].size() > 1]
@@ -225,9 +225,10 @@ class Trainer:
                 torch.distributed.all_reduce(sums, group=group)
                 torch.distributed.all_reduce(load, op=torch.distributed.ReduceOp.MAX, group=group)
         dp = self.mesh["dp"].size() if self.mesh is not None else 1
-        aux, z, dropped, assigned = sums.tolist()
+        aux, z, dropped, assigned = sums[:4].tolist()
         return {"moe_aux_loss": aux / (micro_batches * dp), "moe_z_loss": z / (micro_batches * dp),
-                "moe_dropped": dropped / max(assigned, 1.0), "moe_load_max": load.item()}
+                "moe_dropped": dropped / max(assigned, 1.0), "moe_load_max": load.item(),
+                "moe_tokens_per_expert": [int(c) for c in sums[4:].round().tolist()]}
 
     def _skip(self, scale: float, loss: float) -> None:
         """fp16 overflow: skip the update as Megatron does, but stop a run whose scale cannot recover."""
