@@ -52,9 +52,28 @@ def test_blocks_of_every_rank_tile_the_global_tensor(shape, dim, segments, rows,
     assert torch.equal(seen, expected)
 
 
-def test_three_dimensional_tensors_are_refused():
-    with pytest.raises(ValueError, match=r"1-D or 2-D tensors, not shape \(2, 2, 2\)"):
-        place(torch.zeros(8), (2, 2, 2), 0, 8)
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_stacked_experts_are_the_rows_of_each_expert_and_split_by_expert(ep):
+    """A mixture's (E, in, out) expert stack is stored as (E x in, out), expert after expert; expert
+    parallelism's dim-0 shard of it holds whole experts, i.e. a contiguous range of those rows."""
+    full = torch.arange(4 * 3 * 6, dtype=torch.float32).view(4, 3, 6)
+    expected = full.reshape(12, 6)
+    seen = torch.zeros_like(expected)
+    for r in range(ep):
+        spec = TPShard(0, r, ep) if ep > 1 else None
+        local = spec.local(full).clone() if spec is not None else full.clone()
+        n = local.numel()
+        for a, b in ((0, n // 3), (n // 3, n)):  # two flat ranges, as ZeRO buckets cut
+            size, blocks = place(local.view(-1)[a:b], local.shape, a, b, spec)
+            assert size == expected.shape
+            for off, v in blocks:
+                seen[tuple(slice(o, o + k) for o, k in zip(off, v.shape))] += v
+    assert torch.equal(seen, expected)
+
+
+def test_four_dimensional_tensors_are_refused():
+    with pytest.raises(ValueError, match=r"1-D, 2-D or stacked 2-D tensors, not shape \(2, 2, 2, 2\)"):
+        place(torch.zeros(16), (2, 2, 2, 2), 0, 16)
 
 
 def _save_tp2(rank, world, path):
