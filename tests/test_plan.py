@@ -494,3 +494,65 @@ def test_stage_traffic_shards_recomputes_and_accumulates():
     assert last.forward == pytest.approx(one.forward + sum(c.last_forward) + loss[0])
     first = stage_traffic(base, 3, True, False, 1, 1)
     assert first.input_grad == pytest.approx(one.input_grad + sum(c.first_backward))
+
+
+# ---------------------------------------------------------------------------------------------
+# Context parallelism
+# ---------------------------------------------------------------------------------------------
+
+def test_context_parallel_shards_the_model_state_over_dp_x_cp():
+    """ZeRO shards over every rank holding the same weights: dp x cp (megalm.distributed.mesh.replica_mesh)."""
+    small = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
+    got = _plan(*small, "parallel.cp=2", "parallel.zero_stage=1")
+    q = got["positions"][0]
+    assert q["model_state_bytes"] == pytest.approx(q["params"] * (4 + 4 + 8 / 2))
+    assert got["bytes_per_param"] == 4 + 4 + 8 / 2
+    got = _plan(*small, "parallel=dp2", "parallel.cp=2", "parallel.zero_stage=3")
+    assert got["positions"][0]["model_state_bytes"] == pytest.approx(got["positions"][0]["params"] * 16 / 4, rel=1e-3)
+    assert _plan(*small)["positions"][0]["params"] == q["params"]  # every cp rank holds the whole model
+
+
+def test_context_parallel_step_time_by_hand():
+    """cp2 on one H100 node in bf16: each rank computes half of every micro-batch (FLOPs and the bytes outside
+    the matmuls; gradient accumulation is per weight, there is one micro-batch here), and each layer's pass
+    adds what its cp - 1 ring sends take beyond the attention core's compute of that pass: one NVLink latency
+    plus the (k, v) block (batch 2 x 2 kv heads x 16 tokens x 8 channels x 2 bytes) over the link, forward
+    against the core's forward, backward against twice it. The block equals the run's own ring_bytes."""
+    from megalm.parallel.context import ring_bytes
+    from megalm.plan.formulas import ring_block_bytes, ring_exposed_seconds, stage_traffic, stage_work
+    layout = (*TINY, "trainer.global_batch_size=2", "cluster=slurm_h100", "trainer.precision=bf16")
+    cfg, one = _compose(*layout, "parallel.cp=2"), _compose(*layout)
+    c, m = cfg.cluster, cfg.model
+    assert (m.seq_length, m.num_attention_heads, m.kv_heads, m.head_dim) == (32, 4, 4, 8)
+    block = 2 * 2 * 4 * 16 * 8 * 2
+    assert ring_block_bytes(cfg, 1) == block and 2 * ring_block_bytes(cfg, 1) == ring_bytes(2, 16, 4, 8, 2, 2)
+    rate, bw = 989e12 * c.matmul_efficiency, c.intra_node_bandwidth * c.comm_efficiency
+    core = 4 * 32 * 4 * 8 * (2 * 16) / rate  # QK^T and AV of the rank's 32 queries over 32 keys
+    send = c.intra_node_latency + block / bw
+    assert send > 2 * core  # a tiny layer: the ring shows
+    assert ring_exposed_seconds(cfg, 1, rate, bw, c.intra_node_latency) == pytest.approx((send - core, send - 2 * core))
+    work, half = stage_work(one, m.num_layers, True, 1), stage_work(cfg, m.num_layers, True, 1)
+    assert (half.forward, half.backward) == pytest.approx((work.forward / 2, work.backward / 2))
+    traffic, halved = (stage_traffic(c_, m.num_layers, True, True, 1, 1) for c_ in (one, cfg))
+    assert (halved.forward, halved.of("B")) == pytest.approx((traffic.forward / 2, traffic.of("B") / 2))
+    expected = half.forward / rate + halved.forward / c.memory_bandwidth + m.num_layers * (send - core) \
+        + half.backward / rate + halved.of("B") / c.memory_bandwidth + m.num_layers * (send - 2 * core)
+    got = _plan(*layout, "parallel.cp=2")["estimate"]
+    assert got["pipeline_seconds"] == pytest.approx(expected, rel=1e-12)
+    assert got["cp_exposed_seconds"][0] == pytest.approx(m.num_layers * (2 * send - 3 * core))
+
+
+def test_context_parallel_in_the_table_and_the_search():
+    """The table names cp and shows the ring's bytes; the search keeps parallel.cp and fills dp with the rest."""
+    from megalm.plan import _best_option, candidates, compose, format_table
+    got = _plan(*TINY, "trainer.global_batch_size=8", "parallel=tp2", "parallel.cp=2",
+                "parallel.sequence_parallel=true")
+    table = format_table(got)
+    assert "gpt_tiny at tp2 pp1 dp1 cp2 (4 ranks)" in table and " cp kB " in table
+    assert all(q["comm_bytes"]["cp"] > 0 for q in got["positions"])
+    cfg, _ = compose([*TINY, "trainer.global_batch_size=32", "cluster=slurm_h100", "trainer.precision=bf16",
+                      "parallel.cp=2", "parallel.dp=-1"])
+    found = list(candidates(cfg, 8))
+    assert found and all(tp * pp * dp * 2 == 8 for tp, pp, dp, *_ in found)
+    name, best, why = _best_option(cfg, 8, (2, 1, 2, "1f1b", 1, 2))
+    assert name == "tp2 pp1 dp2 cp2 mbs2" and best is not None and best["cp"] == 2, why

@@ -7,7 +7,9 @@ loop, or the pipeline schedule's step) under torch.autograd.graph.saved_tensors_
 is held in a small wrapper that counts its storage once while any saved tensor uses it (parameters and
 the cached RoPE tables are model state, not counted); the largest total during the step is the measured
 peak, to be within 2% (TOLERANCE) of the planned "peak" of the rank's pipeline position (BERT's also within
-BERT_SLACK bytes). Multi-rank cases share one set of four gloo ranks.
+BERT_SLACK bytes). Multi-rank cases share one set of four gloo ranks. Under context parallelism each
+micro-batch is split to the rank's chunks and its loss weighted, as the trainer does; the ring's chunk
+pairs are held to a tighter check per layer too (`test_ring_attention_keeps_what_the_planner_counts`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]  # CPU: dropout n
 # activations, only the micro-batches per step (global_batch / (micro_batch * dp)), which this checks too.
 TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
 PP2 = ["parallel=pp2_dp2", "trainer.global_batch_size=16"]  # 4 micro-batches
+CP2 = ["parallel=dp2", "parallel.cp=2", "trainer.global_batch_size=8"]  # 2 micro-batches
 SCHEDULES = [["parallel.pipeline_schedule=gpipe"], ["parallel.pipeline_schedule=1f1b"],
              ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2"],
              ["parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2"],
@@ -68,6 +71,15 @@ MULTI = {
                                                    "trainer.precision=bf16"],
     "bert-post-tp2-sp-dropout": [*POST, *DROPOUT, *TP2, "parallel.sequence_parallel=true"],
     "bert-pp2-1f1b": [*BERT, *PP2, *SCHEDULES[1]], "bert-post-pp2-interleaved_1f1b": [*POST, *PP2, *SCHEDULES[2]],
+    # Context parallelism: the ring's chunk pairs (fp32: q, k and v copied a pair without RoPE and GQA, the
+    # repeated k and v of the whole sequence with GQA; autocast: every operand a copy, all in bf16 on CPU),
+    # selective recomputation of the ring, the RoPE tables at the rank's positions, tp's local heads under
+    # sp, a pipeline's stages of cp ranks (the ring's other variants: the RING cases below).
+    "gpt2-cp2": [*GPT2, *CP2], "llama-cp2-bf16": [*LLAMA, *CP2, "trainer.precision=bf16"],
+    "llama-cp2-selective": [*LLAMA, *CP2, "parallel.recompute=selective"],
+    "llama-tp2-cp2-sp": [*LLAMA, "parallel=tp2", "parallel.cp=2", "parallel.sequence_parallel=true",
+                         "trainer.global_batch_size=4"],
+    "gpt2-pp2-cp2-1f1b": [*GPT2, "parallel=pp2", "parallel.cp=2", "trainer.global_batch_size=8", *SCHEDULES[1]],
 }
 CASES = {**SINGLE, **MULTI}
 # The planner is asked to be within 10%; it agrees to a few parts in a thousand, so 2% is asserted:
@@ -151,6 +163,7 @@ def measure(cfg, world: int) -> int:
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import materialize, parallelize
+    from megalm.parallel.context import weighted_loss
     from megalm.parallel.pipeline import build_pipeline
     from megalm.training.precision import autocast
     dims = ParallelDims.from_config(cfg.parallel, world)
@@ -163,6 +176,8 @@ def measure(cfg, world: int) -> int:
     t = cfg.trainer
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
     micro = _micro_batches(cfg, m)
+    if getattr(model, "context", None) is not None:  # context parallelism: the rank's chunks, as the trainer splits
+        micro = [model.context.split(mb) for mb in micro]
     inputs = family_of(cfg.model.arch).inputs
     pipeline = None
     if layout.pipelined:
@@ -176,7 +191,7 @@ def measure(cfg, world: int) -> int:
         else:  # the trainer's accumulation loop: each micro-batch's forward and backward before the next
             for mb in micro:
                 with autocast(t.precision, "cpu"):
-                    loss = model.loss(model(*(mb[k] for k in inputs)), mb) / m
+                    loss = weighted_loss(model.loss(model(*(mb[k] for k in inputs)), mb), mb) / m
                 loss.backward()
         model.zero_grad(set_to_none=True)
 
@@ -194,7 +209,7 @@ def _measure_all(rank, world, cases):
 
 
 def planned(overrides, rank):
-    """The planner's figures for global rank `rank` (tp fastest: its pp rank is rank // (tp * dp))."""
+    """The planner's figures for global rank `rank` (tp fastest: its pp rank is rank // (tp * cp * dp))."""
     from megalm.plan.formulas import stage_activation_bytes
     cfg, world = _config(overrides)
     pp_rank = rank // (world // cfg.parallel.pp)
@@ -246,3 +261,70 @@ def test_bad_inputs_are_clear_errors():
     classifier = dataclasses.replace(bert, model=dataclasses.replace(bert.model, num_labels=2))
     with pytest.raises(ConfigError, match="BERT's fine-tuning heads"):
         layer_activation_bytes(classifier, world)
+
+
+# The ring's attention alone, exactly: one layer's Attention with context parallelism's core, on a fake process
+# group (what autograd saves does not depend on the values the ring carries), at every cp rank.
+RING_SHAPE = ["model=gpt_tiny", "model.hidden_size=32", "model.num_attention_heads=4", "model.seq_length=32",
+              "model.vocab_size=256", "model.dropout=0.0"]
+RING = {
+    "fp32": [],                                              # q, k and v copied for each chunk pair
+    "fp32-b1": ["trainer.micro_batch_size=1"],               # batch 1: every operand folded in place
+    "fp32-gqa-rope": ["model.num_query_groups=2", "model.position_embedding=rope"],  # repeated k, v; RoPE's q
+    "fp32-one-head": ["model.num_attention_heads=1"],          # one head: the travelling blocks themselves
+    "fp32-dropout-cp4": ["model.attention_dropout=0.1", "parallel.cp=4"],
+    "bf16-gqa-rope": ["model.num_query_groups=2", "model.position_embedding=rope", "trainer.precision=bf16"],
+    "bf16-dropout-cp4": ["model.attention_dropout=0.1", "trainer.precision=bf16", "parallel.cp=4"],
+    "fp32-selective-rope": ["model.position_embedding=rope", "parallel.recompute=selective"],
+}
+
+
+def _ring_attention_saved(cfg, cp: int, rank: int) -> int:
+    """Bytes one Attention layer with RingAttentionCore keeps for backward on cp rank `rank`, its input, its
+    weights (and autocast's copies of them) and the RoPE tables aside."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megalm.models.layers import Attention, rope_tables
+    from megalm.parallel.context import ContextParallel, apply_context_parallel
+    from megalm.parallel.recompute import recompute_forward
+    from megalm.training.precision import autocast
+    m, t = cfg.model, cfg.trainer
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
+    try:
+        attn = Attention(m, 0)
+        apply_context_parallel(attn, ContextParallel(dist.group.WORLD, rank, cp))
+        if cfg.parallel.recompute == "selective":
+            recompute_forward(attn.core)
+        attn.train()
+        dtype = torch.float32 if t.precision == "fp32" else torch.bfloat16
+        x = torch.randn(t.micro_batch_size, m.seq_length // cp, m.hidden_size, dtype=dtype, requires_grad=True)
+        rope = rope_tables(m.head_dim, m.seq_length, m.rope_theta) if m.position_embedding == "rope" else None
+        skip = {x.untyped_storage().data_ptr()} | {p.untyped_storage().data_ptr() for p in attn.parameters()}
+        skip |= {r.untyped_storage().data_ptr() for r in rope or ()}
+        saved = _SavedBytes(skip)
+        with autocast(t.precision, "cpu"), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = attn(x, rope)
+        weights = 0 if t.precision == "fp32" else sum(attn.get_submodule(n).weight.numel() * 2 for n in ("qkv", "proj"))
+        assert saved.live == saved.peak  # nothing freed before backward
+        del out
+        return saved.peak - weights
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(RING))
+def test_ring_attention_keeps_what_the_planner_counts(name):
+    """`layer_terms`' attention term under context parallelism is what one layer's Attention keeps with the
+    ring's core: exactly on cp rank 0 (the figure the planner reports), one log-sum-exp less on the others
+    (their first query chunk sees more than one key chunk, so its merges start one step later)."""
+    from megalm.plan.formulas import layer_terms
+    cfg, world = _config([*RING_SHAPE, "parallel.cp=2", *RING[name]])
+    cp = cfg.parallel.cp
+    m, t = cfg.model, cfg.trainer
+    planned = layer_terms(cfg, world)["attention"]
+    lse = t.micro_batch_size * m.num_attention_heads * m.seq_length // (2 * cp) * (4 if t.precision == "fp32" else 2)
+    for rank in range(cp):
+        got = _ring_attention_saved(cfg, cp, rank)
+        fewer = 0 if rank == 0 or cfg.parallel.recompute == "selective" else lse
+        assert planned - fewer == got, (name, rank, planned, got)

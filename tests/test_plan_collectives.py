@@ -3,9 +3,10 @@ step issues (count_comm: calls and bytes per kind; the scalars sent through torc
 recorded here) equal step_collectives exactly, and the model state measured right after the optimizer
 step equals exact_model_state_bytes exactly, padding included.
 
-GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's). One
-launch of 2 ranks runs every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with
-ZeRO-1, then ZeRO-3); the single processes run here. Each layout runs a step first (the pipeline's shape
+GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's), and
+context parallelism (the ring's sends, gradients and ZeRO shards over dp x cp). One launch of 2 ranks runs
+every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with ZeRO-1, then ZeRO-3) and
+tp2_pp2 at cp2; the single processes run here. Each layout runs a step first (the pipeline's shape
 inference, the buckets learning how many accumulations a step makes) and is measured in its second.
 """
 
@@ -53,9 +54,17 @@ TWO_RANKS = [
     [*BERT, "parallel=tp2", "parallel.sequence_parallel=true", "model.norm_position=post", "parallel.recompute=full"],
     [*BERT, "parallel=pp2", "parallel.pipeline_schedule=1f1b", "trainer.precision=bf16"],
     [*BERT, "parallel=dp2", "parallel.zero_stage=1", "model.binary_head=false"],
+    # Context parallelism: the ring's sends and their gradients; ZeRO-1 shards (odd buckets, padded) over the
+    # cp ranks; recomputation replays the ring's forward sends (full: bf16 blocks of GQA's kv heads, gradients
+    # all-reduced over the cp ranks; selective: the attention core alone, with fp16's overflow vote).
+    ["parallel.cp=2", "parallel.zero_stage=1", *ODD],
+    ["parallel.cp=2", *LLAMA, "trainer.precision=bf16", "parallel.recompute=full", "model.dropout=0.1"],
+    ["parallel.cp=2", "parallel.recompute=selective", "trainer.precision=fp16", "trainer.loss_scale=128"],
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
-               ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA]]
+               ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
+               # cp2 with tp2 + sp and a pipeline: every term on the rank's half of each sequence
+               ["parallel=tp2_pp2", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"]]
 
 
 def _compose(overrides):
@@ -170,13 +179,15 @@ def test_step_collectives_and_model_state_equal_a_real_step_on_every_rank(measur
     ranks = measured[index]
     assert len(ranks) == world
     for rank, (recorded, direct, state) in enumerate(ranks):
-        tp_rank, dp_rank, pp_rank = rank % dims.tp, rank // dims.tp % dims.dp, rank // (dims.tp * dims.dp)
-        where = f"rank {rank} (pp {pp_rank}, dp {dp_rank}, tp {tp_rank})"
-        planned = step_collectives(cfg, world, pp_rank, tp_rank, dp_rank)
-        untracked = untracked_collectives(cfg, world, pp_rank, tp_rank, dp_rank)
+        # megalm.distributed.mesh's order: (pp, dp, cp, tp), tp fastest
+        tp_rank, cp_rank = rank % dims.tp, rank // dims.tp % dims.cp
+        dp_rank, pp_rank = rank // (dims.tp * dims.cp) % dims.dp, rank // (dims.tp * dims.cp * dims.dp)
+        where = f"rank {rank} (pp {pp_rank}, dp {dp_rank}, cp {cp_rank}, tp {tp_rank})"
+        planned = step_collectives(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
+        untracked = untracked_collectives(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
         assert by_kind(planned, minus=untracked) == recorded, where
         assert untracked == direct, where
-        assert exact_model_state_bytes(cfg, world, pp_rank, tp_rank, dp_rank) == state, where
+        assert exact_model_state_bytes(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank) == state, where
 
 
 def test_what_the_layouts_exercise():
@@ -186,8 +197,8 @@ def test_what_the_layouts_exercise():
     for overrides in TWO_RANKS + EIGHT_RANKS:
         planned = step_collectives(*_compose(overrides), 0, 0)
         seen |= {(purpose, kind) for purpose, entries in planned.items() for kind in entries}
-    assert seen >= {("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("pp", "send"),
-                    ("pp", "recv"), ("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
+    assert seen >= {("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("cp", "ring"),
+                    ("pp", "send"), ("pp", "recv"), ("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
                     ("embedding", "all_reduce"), ("other", "all_reduce"), ("other", "broadcast")}
 
 

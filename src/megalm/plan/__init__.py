@@ -9,9 +9,10 @@ Reported per position:
 - the parameters this rank holds (exact: the same layout code a run uses), and its model-state bytes
   (weights, gradients, Adam's moments, the ZeRO buckets' padding included);
 - activation memory at the rank's peak (the schedule's in-flight micro-batches, sequence parallelism,
-  recomputation), the logits and loss buffers, and the peak in all against the device's memory;
-- bytes per collective in a step, by group (tp / sp, pipeline sends, dp buckets, ZeRO-3 gathers,
-  the tied embedding);
+  context parallelism's share of each sequence and its ring attention, recomputation), the logits and
+  loss buffers, and the peak in all against the device's memory;
+- bytes per collective in a step, by group (tp / sp, the cp ring's sends, pipeline sends, dp buckets
+  (over dp x cp under context parallelism), ZeRO-3 gathers, the tied embedding);
 and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
 time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
 Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
@@ -90,7 +91,8 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     from megalm.training.memory import expected_bytes_per_param
     dims = _dims(cfg, world)
     p, t = cfg.parallel, cfg.trainer
-    per_param = expected_bytes_per_param(zero_stage=p.zero_stage, dp=dims.dp)
+    replicas = dims.dp * dims.cp  # the ranks ZeRO shards over (megalm.distributed.mesh.replica_mesh)
+    per_param = expected_bytes_per_param(zero_stage=p.zero_stage, dp=replicas)
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
     positions: List[Dict[str, Any]] = []
     comm: Dict[int, Dict[str, Any]] = {}
@@ -121,7 +123,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
             model_state = held["weights"] + held["grads"] + held["optimizer"]
             if tp_rank == 0:
                 comm[stage] = coll
-                state[stage] = q["params"] / (dims.dp if p.zero_stage >= 1 else 1)
+                state[stage] = q["params"] / (replicas if p.zero_stage >= 1 else 1)
             total = model_state + act["peak"]
             q.update({
                 "weights_bytes": held["weights"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
@@ -177,16 +179,17 @@ def _virtual_stages(schedule: str, pp: int, layers: int) -> List[int]:
 
 
 def candidates(cfg, gpus: int, micro_batches=(1, 2, 4, 8)):
-    """Every (tp, pp, schedule, v, micro-batch) of `gpus` devices, sequence parallel on wherever tp > 1."""
-    heads, layers = cfg.model.num_attention_heads, cfg.model.num_layers
+    """Every (tp, pp, schedule, v, micro-batch) of `gpus` devices, sequence parallel on wherever tp > 1;
+    parallel.cp stays as given (dp fills what tp x pp x cp leaves)."""
+    heads, layers, cp = cfg.model.num_attention_heads, cfg.model.num_layers, cfg.parallel.cp
     for tp in _powers_of_two(min(cfg.cluster.devices_per_node, heads)):
         for pp in range(1, layers + 1):
-            if gpus % (tp * pp):
+            if gpus % (tp * pp * cp):
                 continue
             for schedule in (SCHEDULES if pp > 1 else ("1f1b",)):
                 for v in _virtual_stages(schedule, pp, layers):
                     for mbs in micro_batches:
-                        yield tp, pp, gpus // (tp * pp), schedule, v, mbs
+                        yield tp, pp, gpus // (tp * pp * cp), schedule, v, mbs
 
 
 def _with(cfg, **parallel_and_mbs):
@@ -234,7 +237,7 @@ def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
 def _state_estimate(cfg, world: int, pp_rank: int) -> float:
     from megalm.training.memory import expected_bytes_per_param
     dims = _dims(cfg, world)
-    return expected_bytes_per_param(zero_stage=cfg.parallel.zero_stage, dp=dims.dp) * \
+    return expected_bytes_per_param(zero_stage=cfg.parallel.zero_stage, dp=dims.dp * dims.cp) * \
         stage_params_estimate(cfg, world, pp_rank)
 
 
@@ -243,7 +246,9 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
     from megalm.plan import formulas as f
     from megalm.validation import validate
     tp, pp, dp, schedule, v, mbs = candidate
-    name = f"tp{tp} pp{pp} dp{dp}" + (f" {schedule} v{v}" if pp > 1 else "") + f" mbs{mbs}"
+    cp = cfg.parallel.cp
+    name = f"tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + (f" {schedule} v{v}" if pp > 1 else "") \
+        + f" mbs{mbs}"
     layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule,
                   virtual_pipeline_size=v, layers_per_stage=None, recompute_num_layers=None, micro_batch_size=mbs)
     try:
@@ -266,12 +271,13 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
             like = {s: s if s in (0, pp - 1) else 1 for s in range(pp)}
             read = {s: f.step_collectives(c, gpus, s, 0) for s in set(like.values())}
             est = f.estimate_step(c, _dims(c, gpus), {s: read[like[s]] for s in range(pp)},
-                                  {s: stage_params_estimate(c, gpus, s) / (dp if zero >= 1 else 1) for s in range(pp)})
+                                  {s: stage_params_estimate(c, gpus, s) / (dp * cp if zero >= 1 else 1)
+                                   for s in range(pp)})
         except ConfigError as e:  # an option the run refuses, or one the formulas do not model
             reasons.append(f"recompute={recompute}, ZeRO-{zero}: {e}")
             continue
         if best is None or est["step_seconds"] < best["step_seconds"]:
-            best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "schedule": schedule if pp > 1 else None,
+            best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "schedule": schedule if pp > 1 else None,
                     "virtual_stages": v if pp > 1 else 1, "micro_batch_size": mbs, "recompute": recompute,
                     "zero_stage": zero, "sequence_parallel": tp > 1, "peak_bytes": peak,
                     "step_seconds": est["step_seconds"], "tokens_per_second": est["tokens_per_second"],
@@ -289,10 +295,10 @@ def _best_options(cfg, gpus: int, group: List[tuple]) -> List[Tuple[str, Optiona
 def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     """Rank the layouts of `gpus` devices by estimated step time; say why the others were dropped.
 
-    Every (tp, pp, schedule, virtual stages, micro-batch) of `candidates` is tried with each recomputation (none,
-    selective, full) and ZeRO stage (0-3); the options whose peak fits the device are estimated and the
-    fastest is kept. A layout the run itself would refuse is dropped with its error, one where no option
-    fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
+    Every (tp, pp, schedule, virtual stages, micro-batch) of `candidates` (at the config's parallel.cp) is
+    tried with each recomputation (none, selective, full) and ZeRO stage (0-3); the options whose peak fits
+    the device are estimated and the fastest is kept. A layout the run itself would refuse is dropped with
+    its error, one where no option fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
     schedule and virtual stages go to one process, which reads their meta-device layout once)."""
     from megalm.plan import formulas as f
     if not cfg.cluster.memory_per_device_gb:
@@ -348,7 +354,8 @@ def _unit(values) -> Tuple[float, str]:
 def format_table(result: Dict[str, Any]) -> str:
     lay, est = result["layout"], result["estimate"]
     sched = f", {lay['schedule']} x{lay['virtual_stages']}" if lay["schedule"] else ""
-    head = [f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']} ({lay['world']} ranks{sched}), "
+    cp = f" cp{lay['cp']}" if lay["cp"] > 1 else ""
+    head = [f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}{cp} ({lay['world']} ranks{sched}), "
             f"{lay['precision']}, ZeRO-{lay['zero_stage']}, sp {'on' if lay['sequence_parallel'] else 'off'}, "
             f"recompute {lay['recompute']}, {lay['micro_batches']} micro-batches of {lay['micro_batch_size']}",
             f"a step: {result['tokens_per_step']:,} tokens, {result['model_flops_per_step']:.3e} model FLOPs"]
@@ -363,8 +370,9 @@ def format_table(result: Dict[str, Any]) -> str:
     bubble = est.get("bubble") or result["bubble_compute_only"]
     su, sn = _unit(q["peak_bytes"] for q in qs_all)
     cu, cn = _unit(b for q in qs_all for b in q["comm_bytes"].values())
+    groups_shown = ("tp", "cp", "pp", "dp", "embedding") if lay["cp"] > 1 else ("tp", "pp", "dp", "embedding")
     rows = [("stages", "tp ranks", "params", f"model state {sn}", f"activations {sn}", "in flight", f"peak {sn}",
-             "fits", f"tp {cn}", f"pp {cn}", f"dp {cn}", f"emb {cn}", "bubble")]
+             "fits", *(f"{'emb' if g == 'embedding' else g} {cn}" for g in groups_shown), "bubble")]
     groups: Dict[tuple, List[Dict[str, Any]]] = {}  # positions alike in every column share a row
     for q in qs_all:
         key = (q["params"], q["model_state_bytes"], q["activation_peak_bytes"],
@@ -377,11 +385,12 @@ def format_table(result: Dict[str, Any]) -> str:
                      f"{q['params']:,}", f"{q['model_state_bytes'] / su:.2f}", f"{q['activation_peak_bytes'] / su:.2f}",
                      f"{q['in_flight_microbatches']:g}", f"{q['peak_bytes'] / su:.2f}",
                      {None: "?", True: "yes", False: "NO"}[q["fits"]],
-                     *(f"{c.get(g, 0) / cu:.2f}" for g in ("tp", "pp", "dp", "embedding")),
+                     *(f"{c.get(g, 0) / cu:.2f}" for g in groups_shown),
                      f"{bubble.get(q['stage'], 0.0):.1%}" if lay["pp"] > 1 else "-"))
     lines = head + _table(rows)
+    cp_note = "; cp: the ring's sends, dp: over dp x cp" if lay["cp"] > 1 else ""
     lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
-                 "reduce-scatter: the full input)")
+                 f"reduce-scatter: the full input{cp_note})")
     if "missing" in est:
         lines.append(("bubble: compute alone (FLOPs as time). " if lay["pp"] > 1 else "")
                      + f"No step time on cluster={result['cluster']}: it lacks {', '.join(est['missing'])} "

@@ -10,6 +10,10 @@
   order with per-action times, which gives the bubble;
 - step time, tokens/s and MFU on a cluster profile.
 
+Context parallelism (parallel.cp) runs through all of them: a rank's seq_length / cp tokens, the ring
+attention's saved tensors, the ring's sends and their overlap with the attention, gradients and ZeRO
+shards over dp x cp.
+
 Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
 tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
 (schedules, step time, search) and scripts/bench_pp.py (the bubble).
@@ -71,9 +75,15 @@ class StageWork:
 
 
 def stage_work(cfg, layers: int, last: bool, tp: int) -> StageWork:
-    """Per-rank FLOPs of one micro-batch through a stage of `layers` layers (with the head when `last`)."""
+    """Per-rank FLOPs of one micro-batch through a stage of `layers` layers (with the head when `last`).
+
+    Under context parallelism a rank runs seq_length / cp of each sequence's tokens, and its queries' share
+    of the attention: 1/cp of the micro-batch's model FLOPs (the layout of 2 x cp chunks gives every rank
+    the same share of the causal work). Attention is counted as model FLOPs count it, as for cp = 1 (every
+    query over every key); the ring computes (2cp + 1) / (4cp) of that (it skips the chunk pairs the causal
+    mask hides entirely), a causal kernel about half."""
     m, p = cfg.model, cfg.parallel
-    tokens = cfg.trainer.micro_batch_size * m.seq_length
+    tokens = cfg.trainer.micro_batch_size * local_tokens(cfg)
     layer, outside = layer_and_head_flops_per_token(m)
     attn = attention_core_flops_per_token(m)  # forward, per layer
     layer_fwd = layer / 3
@@ -112,11 +122,11 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
       once more, forward, without autograd (loss_and_metrics): LMLoss.correct's max over the real
       columns (1), or under tp VocabParallelLMLoss.correct's masked_fill (2) and max (1); under autocast
       with a cast of its own to fp32 (a 2-byte read and a 4-byte write).
-    A fine-tuning head has no vocabulary: 0."""
+    A fine-tuning head has no vocabulary: 0. Under context parallelism the rank's seq_length / cp tokens."""
     m = cfg.model
     if getattr(m, "fine_tuning_head", False):
         return 0.0, 0.0
-    elements = cfg.trainer.micro_batch_size * max(1, getattr(m, "num_choices", 0)) * m.seq_length \
+    elements = cfg.trainer.micro_batch_size * max(1, getattr(m, "num_choices", 0)) * local_tokens(cfg) \
         * m.padded_vocab(tp) / tp
     if tp > 1:
         fwd, bwd = 10, 2
@@ -343,6 +353,9 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
       rank's sequence shard (1/tp) under sequence parallelism;
     - full recomputation runs the recomputed layers' forward again in the input gradient (selective
       recomputes only the attention core, whose kernels FLOPs time);
+    - context parallelism: the rank's seq_length / cp tokens, 1/cp of every counted byte (counted at the
+      whole sequence on SDPA's core; the ring's elementwise passes over its c x c scores, which a fused
+      attention kernel would keep on chip, are not counted, as SDPA's internals are not);
     - gradient accumulation: each micro-batch after a step's first adds its weight gradients into the
       accumulated ones (GRAD_ACCUMULATION_BYTES a parameter), spread here over the m micro-batches.
     """
@@ -351,7 +364,7 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
 
     def share(part: Tuple[float, float]) -> float:
         hidden, width = part
-        return hidden / (tp if sp else 1) + width / tp
+        return (hidden / (tp if sp else 1) + width / tp) / p.cp
 
     layer = Traffic(share(c.layer_forward), share(c.layer_backward))
     total = layer.scaled(layers)
@@ -398,6 +411,12 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
 #   only the log-sum-exp, the GQA-repeated keys and values and, after RoPE, SDPA's own output; not 5as/h.
 # - packed sequences (data.packing: a mask per example, position ids) are not modeled.
 #
+# Context parallelism (parallel.cp, megalm.parallel.context) gives each rank s = seq_length / cp tokens of
+# every sequence, so every per-token term counts those; the attention core is the ring's
+# (`ring_attention_bytes`): blockwise attention in fp32 (or autocast's dtype) over chunk pairs, which keeps
+# the c x c scores of each pair a rank's queries attend to (2cp + 1 pairs of c = s / 2, Korthikanti's 5as/h
+# term back, over the rank's share of the sequence) and, in fp32, the k and v of the whole sequence.
+#
 # BERT (megalm.models.bert) shares GPT's Attention and MLP; where its layer and heads differ from the paper's
 # GPT layer (and from megalm's GPT):
 # - its attention is bidirectional over the keys a padding mask keeps, which SDPA takes as attn_mask: on CPU
@@ -429,7 +448,7 @@ _BERT_FINE_TUNING = ("BERT's fine-tuning heads (model.num_labels, num_choices, s
 @dataclass(frozen=True)
 class _Shape:
     """What the formulas read, resolved once from the config: sizes of one micro-batch on one rank."""
-    s: int        # tokens a sequence
+    s: int        # tokens a sequence on this rank: model.seq_length / cp
     b: int        # sequences a micro-batch (times num_choices)
     h: int
     a: int        # query heads
@@ -453,6 +472,8 @@ class _Shape:
     post_norm: bool = False   # BERT's norm_position=post: a norm after the embedding and after each residual
     token_types: bool = False  # BERT's token-type embedding
     binary_head: bool = False  # BERT's pooler and sentence-order head
+    cp: int = 1               # context-parallel ranks a sequence is split over (megalm.parallel.context)
+    hd: int = 0               # head_dim
 
     @property
     def seq(self) -> int:
@@ -485,15 +506,16 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
     dims = ParallelDims.from_config(p, world)
     if p.recompute not in ("none", "selective", "full"):
         raise ConfigError(f"parallel.recompute={p.recompute} is not one of none, selective, full")
-    return _Shape(s=m.seq_length, b=tr.micro_batch_size * max(1, getattr(m, "num_choices", 0)), h=m.hidden_size,
-                  a=m.num_attention_heads, kv=m.kv_heads * m.head_dim, groups=m.num_attention_heads // m.kv_heads,
-                  f=m.ffn_size, vocab=m.padded_vocab(dims.tp), t=dims.tp, sp=p.sequence_parallel and dims.tp > 1,
+    return _Shape(s=m.seq_length // dims.cp, b=tr.micro_batch_size * max(1, getattr(m, "num_choices", 0)),
+                  h=m.hidden_size, a=m.num_attention_heads, kv=m.kv_heads * m.head_dim,
+                  groups=m.num_attention_heads // m.kv_heads, f=m.ffn_size, vocab=m.padded_vocab(dims.tp), t=dims.tp,
+                  sp=p.sequence_parallel and dims.tp > 1,
                   e=FP32 if tr.precision == "fp32" else 2, autocast=tr.precision != "fp32", cpu=device == "cpu",
                   rope=getattr(m, "position_embedding", "learned") == "rope", swiglu=m.activation == "swiglu",
                   rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
                   attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False),
                   bert=bert, post_norm=bert and m.norm_position == "post", token_types=bert and m.num_tokentypes > 0,
-                  binary_head=bert and m.binary_head)
+                  binary_head=bert and m.binary_head, cp=dims.cp, hd=m.head_dim)
 
 
 def _norm(d: _Shape) -> float:
@@ -529,6 +551,92 @@ def _attention_core(d: _Shape, selective: bool) -> float:
         kept = inputs
     out = h + (h if d.rope else 0)  # SDPA's output, and the projection's copy of it after RoPE
     return (kept + out) * d.e / d.t + d.a * FP32 / d.t
+
+
+def _reshape_copies(batch: int, heads: int, merged: bool) -> bool:
+    """Whether torch.matmul's fold of a (batch, heads, rows, cols) operand into (batch * heads, rows, cols)
+    for its bmm copies it: only when neither dimension is 1 and their strides do not merge."""
+    return batch > 1 and heads > 1 and not merged
+
+
+def ring_attention_bytes(d: _Shape, selective: bool = False) -> float:
+    """What one layer's attention keeps for one micro-batch on one rank under context parallelism, in bytes
+    (megalm.parallel.context.RingAttentionCore, in place of the layer's SDPA core; not per token: the scores
+    grow with the square of the chunk). With s = seq_length / cp tokens on the rank, its two query chunks of
+    c = s / 2, Hq = a / t query heads and Hk = kv_heads / t key / value heads:
+
+    The ring runs `_partial` for every (query chunk, key chunk) pair the causal mask does not hide: query chunk
+    qc sees key chunks kc < qc whole and kc == qc causally, so cp rank r's chunks r and 2cp - 1 - r see r + 1
+    and 2cp - r key chunks, P = 2cp + 1 pairs on every rank (two of them diagonal). Each pair keeps full
+    c x c blocks: its scores (logsumexp's input) and probabilities (exp's output), with attention dropout also
+    the dropout's noise (CPU: a tensor of the scores' dtype) or mask (CUDA: a bool) and the dropped
+    probabilities (the second matmul's input); a diagonal pair also its c x c bool mask (masked_fill). Each
+    pair keeps its log-sum-exp (b, Hq, c, 1), and both matmuls their operands (see below). `_merge` folds a
+    chunk's n pairs in with n - 1 merges, each keeping the running output and the new part (b, Hq, c, hd),
+    the two exp factors (b, Hq, c, 1) and, after its first, the running log-sum-exp: over a rank's two chunks
+    2(2cp - 1) outputs and 8cp - 3 log-sum-exp sized tensors on cp rank 0 (chunk 0 sees one key chunk, no
+    merge); any other cp rank keeps one log-sum-exp sized tensor fewer (rank 0's is reported: the largest).
+
+    The matmuls' operands, by precision:
+    - fp32: q's slice of each pair is folded in place when q is RoPE's contiguous output (then q's storage,
+      (b, s, Hq hd), is kept) or when batch or heads is 1 (then the qkv output's, (b, s, (Hq + 2 Hk) hd),
+      which q views), else copied a pair (b, Hq, c, hd). Grouped-query attention repeats every block's k and
+      v to Hq heads, which fold in place: the whole sequence's repeated k and v, 2 (b, Hq, cp s, hd). Without
+      it k and v are halves of the (b, 2 Hk, s, hd) block that travels, copied a pair (b, Hk, c, hd) each,
+      or, with batch or heads 1, folded in place: every block the rank saw, the whole sequence's k and v.
+    - autocast (bf16, fp16): `_partial` casts each slice to fp32 and autocast's matmul casts it back, so each
+      pair keeps its own copies of q, k and v (b, Hq, c, hd) in the compute dtype, and no block. On CPU
+      logsumexp, exp, logaddexp and the products run in the compute dtype too: every tensor above is e bytes.
+      On CUDA (assumed, not measured here: autocast's fp32 list holds logsumexp and exp) the scores are cast
+      to fp32 for logsumexp, the probabilities are fp32 and the second matmul keeps an e-byte copy of them
+      (or of the dropped ones); log-sum-exps and exp factors are fp32; the parts are e bytes and the running
+      output fp32 after its first merge.
+    Then, outside the core: the output (the chunks' concatenation, (b, Hq, s, hd)) reaches the output
+    projection as a (b, s, h / t) copy in the compute dtype, which it keeps; RoPE indexes its tables at the
+    rank's positions, so each layer keeps its own cos and sin (s, hd / 2) fp32 (without cp they are views of
+    the cached tables). RoPE's k, the block and v are not kept (concatenation saves nothing).
+
+    With selective recomputation the core keeps only its inputs q, k and v (as `_attention_core`); the
+    projection's input and the RoPE tables stay."""
+    B, s, hd, cp, e = d.b, d.s, d.hd, d.cp, d.e
+    hq, hk = d.a // d.t, d.a // d.groups // d.t
+    c = s // 2
+    tables = s * hd * FP32 if d.rope else 0
+    proj_in = B * s * d.h * e / d.t
+    if selective:
+        qkv = d.h + 2 * d.kv
+        inputs = qkv if not d.rope else d.h + d.kv + qkv
+        return B * s * inputs * e / d.t + proj_in + tables
+    pairs, merges, stats = 2 * cp + 1, 2 * cp - 1, 8 * cp - 3
+    chunk = B * hq * c * hd          # one query chunk's q, or its output
+    block = B * hq * c * c           # one pair's scores
+    row = B * hq * c                 # one pair's log-sum-exp
+    dropout = d.attention_dropout > 0
+    masks = 2 * c * c
+    if d.autocast:
+        operands = 3 * pairs * chunk * e
+        if d.cpu:
+            scores = pairs * block * e * (4 if dropout else 2)
+            kept = stats * row * e + 2 * merges * chunk * e
+        else:
+            scores = pairs * block * (FP32 + FP32 + e + (1 if dropout else 0))
+            kept = stats * row * FP32 + 2 * cp * chunk * e + (2 * cp - 2) * chunk * FP32
+    else:
+        if not _reshape_copies(B, hq, d.rope):
+            operands = B * s * (hq * hd if d.rope else (hq + 2 * hk) * hd) * FP32
+        else:
+            operands = pairs * chunk * FP32
+        if d.groups > 1:
+            operands += 2 * B * hq * cp * s * hd * FP32
+        elif not _reshape_copies(B, hk, False):
+            operands += cp * B * 2 * hk * s * hd * FP32
+        else:
+            operands += 2 * pairs * B * hk * c * hd * FP32
+        scores = pairs * block * FP32 * 2
+        if dropout:
+            scores += pairs * block * (FP32 + FP32 if d.cpu else 1 + FP32)
+        kept = stats * row * FP32 + 2 * merges * chunk * FP32
+    return operands + scores + masks + kept + proj_in + tables
 
 
 def _mlp(d: _Shape) -> float:
@@ -569,7 +677,9 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
     - linear_inputs: the inputs of qkv and fc1, h each in the compute dtype: the norm's output (a copy under
       autocast), never sharded (tp: a view behind Megatron's f; sp: the all-gathered sequence); under
       post-norm the qkv input is the layer's input (the previous norm2's output, or the embedding's);
-    - attention: `_attention_core`; key_mask: `_key_mask` (BERT); mlp: `_mlp`; dropout: `_hidden_dropout`;
+    - attention: `_attention_core`, or under context parallelism `ring_attention_bytes` (its chunk pairs'
+      scores, the k and v it saw, the RoPE tables at its positions); key_mask: `_key_mask` (BERT); mlp:
+      `_mlp`; dropout: `_hidden_dropout`;
     - full recomputation: only the block input the checkpoint saves, h fp32 (/ t under sp); BERT's key mask,
       its other input, is one bool tensor a stage shares (`stage_activation_bytes`).
     """
@@ -580,8 +690,9 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
         return {"layer_input": tokens * d.h * FP32 / d.seq}
     if mode not in ("none", "selective"):
         raise ConfigError(f"recompute={mode} is not one of none, selective, full")
-    return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e,
-            "attention": tokens * _attention_core(d, mode == "selective"),
+    attention = tokens * _attention_core(d, mode == "selective") if d.cp == 1 else \
+        ring_attention_bytes(d, mode == "selective")
+    return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e, "attention": attention,
             "key_mask": tokens * (_key_mask(d) if mode == "none" else 0.0), "mlp": tokens * _mlp(d),
             "dropout": tokens * _hidden_dropout(d)}
 
@@ -626,13 +737,16 @@ def logits_and_loss_bytes(cfg, world: int, device: Optional[str] = None) -> int:
     Without tp, F.cross_entropy keeps its fp32 log-softmax (padded vocabulary V) and the int64 targets;
     with tp, the vocabulary-parallel loss keeps its fp32 softmax of V/t columns, the local target ids
     and two bool masks per token, and one bool a column (its real, unpadded columns). The masked mean
-    keeps the fp32 loss mask. The logits themselves are not kept. Left out: the losses' 4-byte scalars.
-    A fine-tuning head (classifier, multiple choice) keeps almost nothing per token: 0."""
+    keeps the fp32 loss mask. The logits themselves are not kept. Under context parallelism (s the rank's
+    tokens) the loss's weight (megalm.parallel.context.weighted_loss) keeps the micro-batch's (b,) fp32
+    loss_weight. Left out: the losses' 4-byte scalars. A fine-tuning head (classifier, multiple choice)
+    keeps almost nothing per token: 0."""
     d = _shape(cfg, world, device)
     if not d.lm_head:
         return 0
     per_token = FP32 * d.vocab / d.t + INT64 + FP32 + (2 if d.t > 1 else 0)
-    return round(d.s * d.b * per_token + (d.vocab / d.t if d.t > 1 else 0))
+    weight = d.b * FP32 if d.cp > 1 else 0
+    return round(d.s * d.b * per_token + (d.vocab / d.t if d.t > 1 else 0) + weight)
 
 
 def head_bytes(cfg, world: int, device: Optional[str] = None) -> int:
@@ -714,7 +828,9 @@ def _peak(actions, kept: List[int], freed_by_input: List[int]) -> Tuple[int, int
 
 
 def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] = None) -> Dict[str, object]:
-    """Activation memory of pipeline rank `pp_rank` (any tp / dp rank of it), over all its virtual stages.
+    """Activation memory of pipeline rank `pp_rank` (any tp / dp rank of it; under context parallelism cp
+    rank 0's, which `ring_attention_bytes` shows is the largest by a log-sum-exp a layer), over all its
+    virtual stages.
 
     Keys: layers (transformer layers it holds), per_microbatch (bytes one micro-batch leaves saved on it:
     its layers, the embedding on the first stage, final norm, head input and loss buffers on the last),
@@ -794,8 +910,9 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
 # (megalm.parallel.parallelize and the DataParallel bucket layout); nothing is allocated. The rest is
 # arithmetic on the config.
 #
-# Shapes: b = trainer.micro_batch_size, s = model.seq_length, h = model.hidden_size, m micro-batches a
-# step (global_batch_size / (b dp)), L the layers this rank runs. fp32 tensors cost 4 bytes an element;
+# Shapes: b = trainer.micro_batch_size, s = model.seq_length (the rank's seq_length / cp under context
+# parallelism), h = model.hidden_size, m micro-batches a step (global_batch_size / (b dp): cp ranks share
+# each micro-batch), L the layers this rank runs. fp32 tensors cost 4 bytes an element;
 # under trainer.precision bf16 / fp16, autocast runs the matmuls in 2-byte floats, so a row-parallel
 # layer's partial sums (and their gradients) are 2 bytes an element, while the embedding, the norms'
 # outputs, the residual stream that crosses pipeline stages and the loss's scalars stay fp32.
@@ -803,7 +920,7 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
 # A step means a step after the first, as the trainer runs it: in the first, torch's pipeline schedules
 # also infer the stages' shapes, which can run a stage's forward once more.
 
-PURPOSES = ("tp", "pp", "dp", "embedding", "other")
+PURPOSES = ("tp", "cp", "pp", "dp", "embedding", "other")
 ZERO_BUBBLE = ("interleaved_zb", "zbv")  # weight-gradient passes of their own (no accumulate hooks)
 
 Kinds = Dict[str, Dict[str, int]]        # {kind: {"calls": n, "bytes": b}}
@@ -822,13 +939,20 @@ class RankLayout:
     owner: Tuple[int, ...]             # the pp rank running each stage
     params: int                        # elements this rank's model holds (a tied weight once)
     param_bytes: int
-    buckets: Tuple[Tuple[int, int], ...] = ()  # (elements padded to a multiple of dp, elements / dp)
+    buckets: Tuple[Tuple[int, int], ...] = ()  # (elements padded to a multiple of dp x cp, elements / (dp x cp))
     zero3_unit_buckets: Tuple[int, ...] = ()   # ZeRO-3: per unit, the shard elements of its buckets
     zero3_unit_calls: int = 0                  # ZeRO-3: the buckets of every unit (a shared one per unit)
     owned: int = 0                     # elements of this rank's ZeRO shards of real parameters
     sp_elements: int = 0               # gradient elements summed over tp (sequence-parallel tags)
     tied_elements: int = 0             # gradient elements summed over the embedding group
     embedding_group: bool = False
+    cp: int = 1                        # context-parallel ranks: buckets and ZeRO shards span dp x cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights, over which gradients are averaged and ZeRO shards: dp x cp
+        (megalm.distributed.mesh.replica_mesh)."""
+        return self.dp * self.cp
 
     @property
     def first(self) -> bool:
@@ -842,7 +966,7 @@ class RankLayout:
 _CACHE: Dict[tuple, RankLayout] = {}
 
 
-def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int):
+def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int, cp_rank: int = 0):
     from megalm.distributed.mesh import ParallelDims
     m, p, d = cfg.model, cfg.parallel, cfg.data
     if m.arch == "bert" and m.fine_tuning_head:
@@ -859,23 +983,24 @@ def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int):
         raise ConfigError(f"parallel.zero_stage=3 with pipeline_schedule={p.pipeline_schedule}: a unit stays "
                           "gathered from its first input-gradient pass to the end of the step there, so its "
                           "all-gathers depend on the schedule's order of passes, which is not modelled")
-    for name, value, size in (("pp_rank", pp_rank, dims.pp), ("tp_rank", tp_rank, dims.tp), ("dp_rank", dp_rank, dims.dp)):
+    for name, value, size in (("pp_rank", pp_rank, dims.pp), ("tp_rank", tp_rank, dims.tp),
+                              ("dp_rank", dp_rank, dims.dp), ("cp_rank", cp_rank, dims.cp)):
         if not 0 <= value < size:
             raise ValueError(f"{name}={value} is outside the layout's {size} ({name[:2]}={size})")
     return dims
 
 
-def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> RankLayout:
-    """The RankLayout of the rank at (pp_rank, dp_rank, tp_rank), from the meta-device model laid out
-    over a fake process group of `world` ranks (torch's testing backend), as megalm.plan does."""
-    dims = _check(cfg, world, pp_rank, tp_rank, dp_rank)
+def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0, cp_rank: int = 0) -> RankLayout:
+    """The RankLayout of the rank at (pp_rank, dp_rank, cp_rank, tp_rank), from the meta-device model laid
+    out over a fake process group of `world` ranks (torch's testing backend), as megalm.plan does."""
+    dims = _check(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     # Recomputation changes no parameter, bucket or shard, and ZeRO-2 lays out ZeRO-1's buckets and shards
     # (it only frees the full gradients sooner): layouts that differ only there share a reading.
     layout_fields = dataclasses.replace(cfg.parallel, recompute="none", recompute_num_layers=None,
                                         zero_stage=1 if cfg.parallel.zero_stage == 2 else cfg.parallel.zero_stage)
-    key = (repr(cfg.model), repr(layout_fields), world, pp_rank, tp_rank, dp_rank)
-    if key not in _CACHE:
-        _CACHE[key] = _read_layout(cfg, dims, (pp_rank * dims.dp + dp_rank) * dims.tp + tp_rank)
+    key = (repr(cfg.model), repr(layout_fields), world, pp_rank, tp_rank, dp_rank, cp_rank)
+    if key not in _CACHE:  # megalm.distributed.mesh's rank order: (pp, dp, cp, tp), tp fastest
+        _CACHE[key] = _read_layout(cfg, dims, ((pp_rank * dims.dp + dp_rank) * dims.cp + cp_rank) * dims.tp + tp_rank)
     return _CACHE[key]
 
 
@@ -901,7 +1026,7 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
         v = len(layout.stage_ids)
         owner = tuple(next(r for r in range(dims.pp) if s in virtual_stages_of(r, dims.pp, v, p.pipeline_schedule))
                       for s in range(layout.num_stages)) if dims.pp > 1 else (0,)
-        fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, pp_rank=rank // (dims.dp * dims.tp),
+        fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, pp_rank=rank // (dims.dp * dims.cp * dims.tp),
                       stage_layers=tuple(len(layout.stage_ranges[s]) for s in layout.stage_ids),
                       stage_ids=tuple(layout.stage_ids), owner=owner, params=sum(q.numel() for q in params),
                       param_bytes=sum(q.numel() * q.element_size() for q in params))
@@ -945,6 +1070,19 @@ def microbatches(cfg, dp: int) -> int:
     return t.global_batch_size // (t.micro_batch_size * dp)
 
 
+def local_tokens(cfg) -> int:
+    """Tokens of a sequence on one rank: model.seq_length, or its 1 / cp under context parallelism
+    (megalm.parallel.context: two chunks of 2 x cp)."""
+    return cfg.model.seq_length // cfg.parallel.cp
+
+
+def _replayed_layers(cfg, lay: RankLayout) -> int:
+    """Layers of this rank whose forward full recomputation replays in backward (every layer of each of
+    its stages, or the first recompute_num_layers of each)."""
+    n = cfg.parallel.recompute_num_layers
+    return sum(k if n is None else min(n, k) for k in lay.stage_layers)
+
+
 def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     """Tensor- and sequence-parallel collectives of one step on this rank (megalm.parallel.tensor).
 
@@ -977,22 +1115,20 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     reads token 0, all-gathers the (b, s/tp, h) fp32 sequence forward (its backward keeps this rank's
     chunk: no collective). The MLM accuracy (VocabParallelLMLoss.correct, no autograd) adds two fp32
     (b, s) all-reduces a micro-batch through torch.distributed directly (`untracked_collectives`).
+
+    Under context parallelism s is the rank's seq_length / cp tokens: every one of these runs on them.
     """
     kinds: Kinds = {}
     if lay.tp == 1:
         return kinds
     mdl, p, t = cfg.model, cfg.parallel, cfg.trainer
     tp, sp = lay.tp, p.sequence_parallel
-    b, s, h = t.micro_batch_size, mdl.seq_length, mdl.hidden_size
+    b, s, h = t.micro_batch_size, local_tokens(cfg), mdl.hidden_size
     low = 2 if t.precision in ("bf16", "fp16") else 4
     act, act_low = b * s * h * FP32, b * s * h * low           # (b, s, h): fp32; a matmul's output
     shard, shard_low = act // tp, act_low // tp                # (b, s/tp, h)
     layers = sum(lay.stage_layers)
-    if p.recompute == "full":
-        n = p.recompute_num_layers
-        replayed = sum(k if n is None else min(n, k) for k in lay.stage_layers)
-    else:
-        replayed = 0
+    replayed = _replayed_layers(cfg, lay) if p.recompute == "full" else 0
     post_norm = mdl.arch == "bert" and mdl.norm_position == "post"
     g_replayed = replayed * (2 if mdl.dropout > 0 or post_norm else 1)
     per_mb: Kinds = {}
@@ -1031,10 +1167,10 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
 
 def boundary_messages(cfg, tp: int) -> Tuple[List[int], int]:
     """Bytes of the tensors one micro-batch sends across a stage boundary: forward (the hidden states (b, s, h)
-    fp32, (b, s/tp, h) under sp; BERT's (b, s) int64 padding mask beside them) and backward (the hidden
-    states' gradient)."""
+    fp32, (b, s/tp, h) under sp, s the rank's seq_length / cp tokens under context parallelism; BERT's (b, s)
+    int64 padding mask beside them) and backward (the hidden states' gradient)."""
     mdl, t = cfg.model, cfg.trainer
-    seq = mdl.seq_length // tp if cfg.parallel.sequence_parallel else mdl.seq_length
+    seq = local_tokens(cfg) // tp if cfg.parallel.sequence_parallel else local_tokens(cfg)
     msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
     return [msg] + ([t.micro_batch_size * mdl.seq_length * INT64] if mdl.arch == "bert" else []), msg
 
@@ -1063,16 +1199,39 @@ def pipeline(cfg, lay: RankLayout) -> Kinds:
     return kinds
 
 
+def context_parallel(cfg, lay: RankLayout) -> Kinds:
+    """The ring's point-to-point exchanges of one step (megalm.parallel.context, counted by count_comm as kind
+    "ring": one call a send, with the bytes of the block sent; its receive is the neighbour's send).
+
+    Ring attention (Liu et al. 2023, arXiv:2310.01889; Megatron-Core's layout of 2 x cp chunks): each layer's
+    attention passes the rank's (k, v) block, (b, 2 kv_heads / tp, s, head_dim) in the compute dtype (s =
+    seq_length / cp tokens), on around the cp ring: cp - 1 sends forward a micro-batch, and cp - 1 sends of
+    their gradients backward (`megalm.parallel.context.ring_bytes`). Recomputation replays the forward's
+    sends in backward: selective recomputation's attention core in every layer, full recomputation's
+    replayed layers (the core comes before the layer's last saving op, where checkpoint's replay stops)."""
+    kinds: Kinds = {}
+    if lay.cp == 1:
+        return kinds
+    p = cfg.parallel
+    block = ring_block_bytes(cfg, lay.tp)
+    layers = sum(lay.stage_layers)
+    replayed = layers if p.recompute == "selective" else _replayed_layers(cfg, lay) if p.recompute == "full" else 0
+    sends = microbatches(cfg, lay.dp) * (lay.cp - 1) * (2 * layers + replayed)
+    _add(kinds, "ring", sends, sends * block)
+    return kinds
+
+
 def data_parallel(cfg, lay: RankLayout) -> Kinds:
-    """Gradient and parameter collectives over dp of one step (parallel/data.py, zero3.py).
+    """Gradient and parameter collectives over the replicas of one step (parallel/data.py, zero3.py): the dp
+    group, or under context parallelism dp x cp (every rank holding the same weights).
 
     ZeRO (Rajbhandari et al., arXiv:1910.02054): one collective per gradient bucket, each bucket
-    padded to a multiple of dp: an all-reduce (stage 0) or a reduce-scatter (stages 1-3) of the
-    whole bucket, fp32. Stages 1 and 2 all-gather each bucket's 1/dp of updated parameters after the
+    padded to a multiple of the replicas: an all-reduce (stage 0) or a reduce-scatter (stages 1-3) of the
+    whole bucket, fp32. Stages 1 and 2 all-gather each bucket's 1/replicas of updated parameters after the
     optimizer step. Stage 3 (sec. 5.3) instead gathers parameters when they are used: every micro-
     batch, each unit's buckets in its forward (a bucket two units share, the tied embedding, once for
-    each) and every bucket once in backward. A run of one rank in dp without ZeRO has no buckets
-    and communicates nothing here."""
+    each) and every bucket once in backward. A run of one replica (dp x cp = 1) has no buckets and
+    communicates nothing here."""
     kinds: Kinds = {}
     if not lay.buckets:
         return kinds
@@ -1112,10 +1271,10 @@ def _untracked(cfg, lay: RankLayout) -> Collectives:
     out: Collectives = {"tp": {}, "other": {}}
     if lay.pp > 1:
         _add(out["other"], "broadcast", 1, (1 + k) * FP32)
-    if lay.dp > 1:
+    if lay.replicas > 1:
         _add(out["other"], "all_reduce", 1, FP32)
         _add(out["other"], "all_reduce", 1 if k else 0, k * FP32)
-    if cfg.trainer.precision == "fp16" and lay.tp * lay.pp * lay.dp > 1:
+    if cfg.trainer.precision == "fp16" and lay.tp * lay.pp * lay.replicas > 1:
         _add(out["other"], "all_reduce", 1, FP32)
     if cfg.model.arch == "bert" and lay.tp > 1 and lay.last:
         m = microbatches(cfg, lay.dp)
@@ -1124,15 +1283,17 @@ def _untracked(cfg, lay: RankLayout) -> Collectives:
     return out
 
 
-def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Kinds:
+def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0,
+                          cp_rank: int = 0) -> Kinds:
     """The collectives issued through torch.distributed directly, which count_comm does not see: the
     pipeline's mean loss broadcast from the last stage (Pipeline._share: one fp32, and one for each of
-    the model's metrics, `model_metrics`), the logged loss averaged over dp (trainer: grads.mean_over,
-    one fp32) and the metrics in another all-reduce, under fp16 the overflow vote over every rank
-    (DynamicLossScaler, one fp32); and BERT's MLM accuracy under tp (VocabParallelLMLoss.correct: the
-    largest logit's max and the label's logit summed over tp, (b, s) fp32 each, a micro-batch). In
-    step_collectives they count under "tp" (the accuracy) and "other" (the rest)."""
-    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
+    the model's metrics, `model_metrics`), the logged loss averaged over the replicas, dp or dp x cp
+    (trainer: grads.mean_over, one fp32) and the metrics in another all-reduce, under fp16 the overflow
+    vote over every rank (DynamicLossScaler, one fp32); and BERT's MLM accuracy under tp
+    (VocabParallelLMLoss.correct: the largest logit's max and the label's logit summed over tp, (b, s)
+    fp32 each, a micro-batch). In step_collectives they count under "tp" (the accuracy) and "other" (the
+    rest)."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     kinds: Kinds = {}
     for entries in _untracked(cfg, lay).values():
         for kind, e in entries.items():
@@ -1143,26 +1304,29 @@ def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: 
 def other(cfg, lay: RankLayout) -> Kinds:
     """The gradient norm's scalars (parallel/grads.py): the squared sums of tp-sharded gradients
     summed over tp (one fp32), the stages' totals over pp (one fp32), and under ZeRO the shards'
-    two partial sums over dp (two fp32), each only over a group of more than one rank."""
+    two partial sums over their replicas, dp x cp (two fp32), each only over a group of more than one
+    rank."""
     kinds: Kinds = {}
     if lay.tp > 1:
         _add(kinds, "all_reduce", 1, FP32)
     if lay.pp > 1:
         _add(kinds, "all_reduce", 1, FP32)
-    if cfg.parallel.zero_stage >= 1 and lay.dp > 1:
+    if cfg.parallel.zero_stage >= 1 and lay.replicas > 1:
         _add(kinds, "all_reduce", 1, 2 * FP32)
     return kinds
 
 
-def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Collectives:
+def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0,
+                      cp_rank: int = 0) -> Collectives:
     """The collectives one optimizer step (all its micro-batches) issues on the rank at (pp_rank,
-    dp_rank, tp_rank), by purpose: {"tp", "pp", "dp", "embedding", "other"} -> {kind: {"calls",
-    "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast. dp_rank matters
-    only for ZeRO's padding, which the last dp rank's shard holds. `cfg` is the composed Config
-    (megalm.plan.compose); "other" includes `untracked_collectives`."""
-    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
-    out = {"tp": tensor_parallel(cfg, lay), "pp": pipeline(cfg, lay), "dp": data_parallel(cfg, lay),
-           "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
+    dp_rank, cp_rank, tp_rank), by purpose: {"tp", "cp", "pp", "dp", "embedding", "other"} -> {kind:
+    {"calls", "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast and the cp
+    ring's sends, ring. dp_rank and cp_rank matter only for ZeRO's padding, which the last replica's shard
+    holds (replica dp_rank x cp + cp_rank). `cfg` is the composed Config (megalm.plan.compose); "other"
+    includes `untracked_collectives`."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
+    out = {"tp": tensor_parallel(cfg, lay), "cp": context_parallel(cfg, lay), "pp": pipeline(cfg, lay),
+           "dp": data_parallel(cfg, lay), "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
     for purpose, entries in _untracked(cfg, lay).items():
         for kind, e in entries.items():
             _add(out[purpose], kind, e["calls"], e["bytes"])
@@ -1196,17 +1360,19 @@ def optimizer_moments(cfg) -> int:
     raise ConfigError(f"optimizer.name={o.name!r} is not one of adamw, sgd")
 
 
-def exact_model_state_bytes(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0) -> Dict[str, int]:
+def exact_model_state_bytes(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0,
+                            cp_rank: int = 0) -> Dict[str, int]:
     """Bytes of weights, gradients and optimizer state the rank holds right after an optimizer step
     (before the gradients are zeroed), as megalm.training.memory.measured_model_state_bytes reports.
 
     fp32 weights, fp32 gradients, fp32 optimizer moments (megalm.training.memory; ZeRO, arXiv:1910.02054,
     sec. 5): with gradient buckets the gradients are the buckets' buffers, padding included: whole
-    (ZeRO 0, 1) or this rank's 1/dp chunk (ZeRO 2, 3); ZeRO 1-3 keep optimizer state for this rank's
-    shards of real parameters only (no padding); ZeRO-3 keeps the weights' 1/dp chunks, padding
-    included. A single process, or a run without buckets (dp 1, ZeRO 0), holds one gradient per
-    parameter; ZeRO needs more than one rank (a single process runs unsharded)."""
-    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank)
+    (ZeRO 0, 1) or this rank's 1/replicas chunk (ZeRO 2, 3; replicas = dp, or dp x cp under context
+    parallelism); ZeRO 1-3 keep optimizer state for this rank's shards of real parameters only (no
+    padding); ZeRO-3 keeps the weights' 1/replicas chunks, padding included. A single process, or a run
+    without buckets (one replica, ZeRO 0), holds one gradient per parameter; ZeRO needs more than one
+    rank (a single process runs unsharded)."""
+    lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     k = optimizer_moments(cfg)
     z = cfg.parallel.zero_stage
     if not lay.buckets:
@@ -1236,16 +1402,17 @@ def wire_factor(kind: str, p: int) -> float:
         return p - 1
     if kind == "reduce_scatter":
         return (p - 1) / p
-    if kind in ("send", "recv", "broadcast"):
+    if kind in ("send", "recv", "broadcast", "ring"):
         return 1.0
-    raise ValueError(f"unknown collective kind {kind!r}: all_reduce, all_gather, reduce_scatter, send, recv")
+    raise ValueError(f"unknown collective kind {kind!r}: all_reduce, all_gather, reduce_scatter, send, recv, ring")
 
 
 def latency_steps(kind: str, p: int) -> int:
-    """Messages in sequence a ring needs: 2(p - 1) for all-reduce, p - 1 for the others, 1 point to point."""
+    """Messages in sequence a ring needs: 2(p - 1) for all-reduce, p - 1 for the others, 1 point to point
+    (a pipeline send, a cp ring's send to its neighbour)."""
     if p <= 1:
         return 0
-    if kind in ("send", "recv", "broadcast"):
+    if kind in ("send", "recv", "broadcast", "ring"):
         return 1
     return 2 * (p - 1) if kind == "all_reduce" else p - 1
 
@@ -1275,6 +1442,12 @@ def group_ranks(dims, dim: str, rank: int) -> List[int]:
     index = (rank // stride) % sizes[dim]
     base = rank - index * stride
     return [base + i * stride for i in range(sizes[dim])]
+
+
+def replica_ranks(dims, rank: int) -> List[int]:
+    """The global ranks holding the same weights as `rank`: its dp group, or dp x cp flattened under context
+    parallelism (megalm.distributed.mesh.replica_mesh), over which gradients are reduced."""
+    return sorted({r for d in group_ranks(dims, "dp", rank) for r in group_ranks(dims, "cp", d)})
 
 
 def inside_one_node(ranks: Sequence[int], devices_per_node: int) -> bool:
@@ -1524,6 +1697,32 @@ def optimizer_seconds(updated_params: float, cfg) -> float:
     return updated_params * optimizer_bytes_per_param(cfg) / cfg.cluster.memory_bandwidth
 
 
+def ring_block_bytes(cfg, tp: int) -> int:
+    """Bytes of one send of the cp ring (megalm.parallel.context): a rank's (k, v) block of one layer and
+    micro-batch, (b, 2 kv_heads / tp, seq_length / cp, head_dim) in the compute dtype, or its gradient."""
+    m, t = cfg.model, cfg.trainer
+    e = 2 if t.precision in ("bf16", "fp16") else FP32
+    return 2 * t.micro_batch_size * (m.kv_heads // tp) * local_tokens(cfg) * m.head_dim * e
+
+
+def ring_exposed_seconds(cfg, tp: int, rate: float, bandwidth: float, latency: float) -> Tuple[float, float]:
+    """(forward, backward) seconds the cp ring adds to one layer's pass over one micro-batch on one rank.
+
+    Ring attention overlaps each step's exchange with the compute over the block already held (Liu et al.
+    2023, arXiv:2310.01889, sec. 3): the cp - 1 sends of a pass, each a point-to-point message (latency plus
+    `ring_block_bytes` over the cp group's link), run beside the attention core's compute of that pass, the
+    forward's QK^T and AV (`attention_core_flops_per_token` over the rank's tokens / tp) and the backward's
+    twice that; only the exchanges' time beyond it is added. Assumed: the overlap is taken over the whole
+    pass (all its sends against all its core compute, not step by step), the exchanges slow no kernel
+    beside them, and the ring's extra elementwise work (`stage_work`, `stage_traffic`) is not counted."""
+    p = cfg.parallel
+    if p.cp == 1:
+        return 0.0, 0.0
+    sends = (p.cp - 1) * (latency + ring_block_bytes(cfg, tp) / bandwidth)
+    core = attention_core_flops_per_token(cfg.model) * cfg.trainer.micro_batch_size * local_tokens(cfg) / tp / rate
+    return max(0.0, sends - core), max(0.0, sends - 2 * core)
+
+
 def estimate_requirements(cfg, world: int) -> List[str]:
     """The cluster-profile fields a step-time estimate of `world` devices needs and cfg.cluster lacks."""
     c = cfg.cluster
@@ -1551,14 +1750,17 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - activations cross pipeline ranks as point-to-point sends (`boundary_messages`: forward the
       activations, and BERT's padding mask; backward their gradient), over NVLink or the network by where
       the two ranks sit;
+    - context parallelism's ring exchanges overlap the attention core's compute of the same pass and add
+      only what they take beyond it (`ring_exposed_seconds`) to the actions of each layer: forward to F,
+      the gradients' (and recomputation's replayed forward's) to B, or to zero-bubble's I;
     - `simulate` runs the schedule's order with these times: the step's pipeline part and each rank's
       bubble;
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
       launches each bucket as its gradients are complete) and shows only beyond it, at least its last
-      bucket; ZeRO-1/2's parameter all-gather after the update and the tied-embedding sum are exposed,
-      and so are the gradient-norm and loss scalars, each 2 log2(world) latencies (a tree, as NCCL
-      runs small all-reduces); ZeRO-3's gathers are prefetched and show only beyond the
-      rank's compute;
+      bucket (over the replicas: dp, or dp x cp); ZeRO-1/2's parameter all-gather after the update and the
+      tied-embedding sum are exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
+      latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers are prefetched and show only
+      beyond the rank's compute;
     - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
       `updated_params` per pipeline rank).
     The step ends when the slowest pipeline rank has done all of it.
@@ -1584,6 +1786,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
             return calls * 2 * math.ceil(math.log2(dims.world_size)) * lat if dims.world_size > 1 else 0.0
         if group == "embedding":
             ranks = [rank_of(0), rank_of(dims.pp - 1)]
+        elif group == "dp":
+            ranks = replica_ranks(dims, r)
         else:
             ranks = group_ranks(dims, group, r)
         bw, lat = link(c, ranks)
@@ -1597,10 +1801,20 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, dims.tp, m) if c.memory_bandwidth else None
                for s, n in enumerate(layers)]
 
+    ring_forward = ring_backward = 0.0
+    if dims.cp > 1:
+        bw, lat = link(c, group_ranks(dims, "cp", 0))
+        ring_forward, ring_backward = ring_exposed_seconds(cfg, dims.tp, rate, bw, lat)
+    n_replay = p.recompute_num_layers if p.recompute == "full" and p.recompute_num_layers is not None else None
+    replayed = [0 if p.recompute == "none" else n if n_replay is None else min(n, n_replay) for n in layers]
+    backward = [n * ring_backward + k * ring_forward for n, k in zip(layers, replayed)]
+    ring = [{"F": n * ring_forward, "B": b, "I": b, "W": 0.0} for n, b in zip(layers, backward)]
+
     def seconds(kind: str, s: int) -> float:
         w = work[s]
         flops = {"F": w.forward, "B": w.backward, "I": w.input_grad, "W": w.weight_grad}[kind]
-        return action_seconds(w, kind, rate, traffic[s], c.memory_bandwidth) + flops * tp_share[owner[s]]
+        return action_seconds(w, kind, rate, traffic[s], c.memory_bandwidth) + flops * tp_share[owner[s]] \
+            + ring[s][kind]
 
     forward_msgs, backward_msg = boundary_messages(cfg, dims.tp)
 
@@ -1638,4 +1852,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
             "tokens_per_second": tokens / step, "mfu": model_flops / (step * dims.world_size * peak),
             "bubble": {r: sim.idle_share(r) for r in range(dims.pp)},
             "tp_seconds": {r: seconds_of("tp", r) for r in range(dims.pp)},
+            "cp_seconds": {r: seconds_of("cp", r) for r in range(dims.pp)},
+            "cp_exposed_seconds": {r: m * sum(ring[s]["F"] + ring[s]["B"] for s in range(S) if owner[s] == r)
+                                   for r in range(dims.pp)},
             "after_backward": after, "micro_batches": m, "peak_flops": peak}
