@@ -65,7 +65,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> Optional["torch.distribu
     shape = tuple(getattr(dims, d) for d in MESH_DIMS)
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
     if dims.cp > 1:
-        mesh["dp", "cp"]._flatten(REPLICAS)
+        mesh.replicas = mesh["dp", "cp"]._flatten(REPLICAS)  # kept: slicing a flattened dim from the root is deprecated
     return mesh
 
 
@@ -75,4 +75,4 @@ REPLICAS = "dp_cp"  # the ranks holding the same weights: dp x cp, flattened (co
 def replica_mesh(mesh):
     """The mesh dimension over which gradients are averaged and ZeRO shards: dp, or dp x cp flattened
     when context parallelism splits each sequence over cp ranks that hold the same weights."""
-    return mesh[REPLICAS] if mesh["cp"].size() > 1 else mesh["dp"]
+    return mesh.replicas if mesh["cp"].size() > 1 else mesh["dp"]

@@ -10,7 +10,7 @@ and the keys and values travel. At step i (0 .. cp-1) rank r holds the key / val
 (r - i) mod cp; it posts the send of that block to rank r + 1 and the receive of the next from
 r - 1, computes its queries' attention over the block meanwhile (the exchange overlaps the
 compute), and merges the result into its running output by log-sum-exp, as blockwise (flash)
-attention does. A query chunk sees a key chunk before it whole, its own chunk causally, and a
+attention does; scores, softmax and merges in fp32, with autocast off. A query chunk sees a key chunk before it whole, its own chunk causally, and a
 later one not at all. The exchange is an autograd function whose backward sends the gradient the
 other way around the ring, so the gradient of every key / value block reaches the rank that made
 it: per layer and micro-batch, cp - 1 sends of the (k, v) block forward and cp - 1 of its
@@ -163,24 +163,29 @@ class RingAttentionCore(AttentionCore):
         block = torch.cat([k, v], dim=1).contiguous()  # (B, 2 KVH, 2c, hd): one message a step
         outs: list = [None, None]
         lses: list = [None, None]
-        for step in range(ctx.size):
-            pending = _Pending(block.detach(), ctx.group) if step < ctx.size - 1 else None
-            source = (ctx.rank - step) % ctx.size
-            theirs = (source, 2 * ctx.size - 1 - source)
-            kb, vb = block.chunk(2, dim=1)
-            if groups > 1:
-                kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
-            for i, qc in enumerate(mine):
-                for j, kc in enumerate(theirs):
-                    if kc > qc:
-                        continue  # a later chunk: masked whole
-                    part, part_lse = _partial(q[:, :, i * c:(i + 1) * c], kb[:, :, j * c:(j + 1) * c],
-                                              vb[:, :, j * c:(j + 1) * c], kc == qc, scale, self.attention_dropout,
-                                              self.training)
-                    outs[i], lses[i] = _merge(outs[i], lses[i], part, part_lse)
-            if pending is not None:
-                block = _Arrive.apply(block, ctx.group, pending)
+        with torch.autocast(q.device.type, enabled=False):  # the blocks' scores, softmax and merges in fp32
+            for step in range(ctx.size):
+                block = self._step(q, block, step, mine, c, groups, scale, outs, lses)
         return torch.cat(outs, dim=2).to(q.dtype)
+
+    def _step(self, q, block, step, mine, c, groups, scale, outs, lses):
+        """Post the exchange of `block`, attend to it meanwhile, merge; the block the next step holds."""
+        ctx = self.context
+        pending = _Pending(block.detach(), ctx.group) if step < ctx.size - 1 else None
+        source = (ctx.rank - step) % ctx.size
+        theirs = (source, 2 * ctx.size - 1 - source)
+        kb, vb = block.chunk(2, dim=1)
+        if groups > 1:
+            kb, vb = kb.repeat_interleave(groups, dim=1), vb.repeat_interleave(groups, dim=1)
+        for i, qc in enumerate(mine):
+            for j, kc in enumerate(theirs):
+                if kc > qc:
+                    continue  # a later chunk: masked whole
+                part, part_lse = _partial(q[:, :, i * c:(i + 1) * c], kb[:, :, j * c:(j + 1) * c],
+                                          vb[:, :, j * c:(j + 1) * c], kc == qc, scale, self.attention_dropout,
+                                          self.training)
+                outs[i], lses[i] = _merge(outs[i], lses[i], part, part_lse)
+        return _Arrive.apply(block, ctx.group, pending) if pending is not None else block
 
 
 def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:

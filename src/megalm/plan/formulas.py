@@ -584,13 +584,10 @@ def ring_attention_bytes(d: _Shape, selective: bool = False) -> float:
       v to Hq heads, which fold in place: the whole sequence's repeated k and v, 2 (b, Hq, cp s, hd). Without
       it k and v are halves of the (b, 2 Hk, s, hd) block that travels, copied a pair (b, Hk, c, hd) each,
       or, with batch or heads 1, folded in place: every block the rank saw, the whole sequence's k and v.
-    - autocast (bf16, fp16): `_partial` casts each slice to fp32 and autocast's matmul casts it back, so each
-      pair keeps its own copies of q, k and v (b, Hq, c, hd) in the compute dtype, and no block. On CPU
-      logsumexp, exp, logaddexp and the products run in the compute dtype too: every tensor above is e bytes.
-      On CUDA (assumed, not measured here: autocast's fp32 list holds logsumexp and exp) the scores are cast
-      to fp32 for logsumexp, the probabilities are fp32 and the second matmul keeps an e-byte copy of them
-      (or of the dropped ones); log-sum-exps and exp factors are fp32; the parts are e bytes and the running
-      output fp32 after its first merge.
+    - autocast (bf16, fp16): the ring runs with autocast off, so `_partial`'s casts of the compute-dtype
+      slices to fp32 are copies: each pair keeps fp32 copies of its q (b, Hq, c, hd) and of its k and v
+      ((b, Hq, c, hd) each with grouped-query attention, whose repeat comes first; else (b, Hk, c, hd)),
+      and no block. Everything else is as in fp32.
     Then, outside the core: the output (the chunks' concatenation, (b, Hq, s, hd)) reaches the output
     projection as a (b, s, h / t) copy in the compute dtype, which it keeps; RoPE indexes its tables at the
     rank's positions, so each layer keeps its own cos and sin (s, hd / 2) fp32 (without cp they are views of
@@ -614,13 +611,7 @@ def ring_attention_bytes(d: _Shape, selective: bool = False) -> float:
     dropout = d.attention_dropout > 0
     masks = 2 * c * c
     if d.autocast:
-        operands = 3 * pairs * chunk * e
-        if d.cpu:
-            scores = pairs * block * e * (4 if dropout else 2)
-            kept = stats * row * e + 2 * merges * chunk * e
-        else:
-            scores = pairs * block * (FP32 + FP32 + e + (1 if dropout else 0))
-            kept = stats * row * FP32 + 2 * cp * chunk * e + (2 * cp - 2) * chunk * FP32
+        operands = pairs * (chunk + 2 * B * (hq if d.groups > 1 else hk) * c * hd) * FP32
     else:
         if not _reshape_copies(B, hq, d.rope):
             operands = B * s * (hq * hd if d.rope else (hq + 2 * hk) * hd) * FP32
@@ -632,10 +623,10 @@ def ring_attention_bytes(d: _Shape, selective: bool = False) -> float:
             operands += cp * B * 2 * hk * s * hd * FP32
         else:
             operands += 2 * pairs * B * hk * c * hd * FP32
-        scores = pairs * block * FP32 * 2
-        if dropout:
-            scores += pairs * block * (FP32 + FP32 if d.cpu else 1 + FP32)
-        kept = stats * row * FP32 + 2 * merges * chunk * FP32
+    scores = pairs * block * FP32 * 2
+    if dropout:
+        scores += pairs * block * (FP32 + FP32 if d.cpu else 1 + FP32)
+    kept = stats * row * FP32 + 2 * merges * chunk * FP32
     return operands + scores + masks + kept + proj_in + tables
 
 
