@@ -69,6 +69,16 @@ def test_bench_optimizer_and_bench_input_smoke(tmp_path):
     assert got["prefetch"] == 2 and got["prefetch_time_data_s"] >= 0 and got["plain_steps_per_s"] > 0
 
 
+def test_bench_moe_smoke(tmp_path):
+    """scripts/bench_moe.py: megalm's mixture of experts and Mixtral from the same weights (their logits are
+    checked equal inside), trained side by side."""
+    _script("bench_moe").main(["--model", "moe_tiny", "--steps", "1", "--rounds", "1", "--warmup", "1",
+                               "--json", str(tmp_path / "moe.json")])
+    got = json.loads((tmp_path / "moe.json").read_text())
+    assert got["initial_logit_max_abs_diff"] < 1e-4 and got["paired_ratio"] > 0
+    assert set(got["results"]) == {"megalm", "hf"} and got["config"]["num_experts"] == 4
+
+
 def test_gpu_check_does_nothing_without_a_cuda_device(tmp_path):
     import subprocess
     import sys
