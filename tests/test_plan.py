@@ -556,3 +556,68 @@ def test_context_parallel_in_the_table_and_the_search():
     assert found and all(tp * pp * dp * 2 == 8 for tp, pp, dp, *_ in found)
     name, best, why = _best_option(cfg, 8, (2, 1, 2, "1f1b", 1, 2))
     assert name == "tp2 pp1 dp2 cp2 mbs2" and best is not None and best["cp"] == 2, why
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts
+# ---------------------------------------------------------------------------------------------
+
+MOE = ["model=moe_tiny", "data=mock", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
+       "cluster=slurm_h100"]
+
+
+def test_expert_parallel_ranks_hold_their_experts_and_shard_them_over_dp_by_ep():
+    """Under parallel.ep each rank holds E / ep experts of every layer (the router and the rest whole), and ZeRO
+    shards the experts over the dp / ep ranks holding them, the rest over dp; the search's estimate of a stage's
+    parameters agrees with the laid-out model."""
+    from megalm.plan import compose, expert_params_per_layer, stage_params_estimate
+    from megalm.plan.formulas import exact_model_state_bytes
+    whole = _plan(*MOE, "parallel=dp4")["positions"][0]
+    cfg, world = compose([*MOE, "parallel=dp4", "parallel.ep=2", "parallel.zero_stage=1"])
+    got = _plan(*MOE, "parallel=dp4", "parallel.ep=2", "parallel.zero_stage=1")
+    experts = expert_params_per_layer(cfg) * cfg.model.num_layers
+    q = got["positions"][0]
+    assert q["params"] == whole["params"] - experts // 2
+    dense = q["params"] - experts // 2
+    state = exact_model_state_bytes(cfg, world, 0, 0)
+    assert state["optimizer"] == 8 * (dense / 4 + experts / 2 / 2)  # Adam's moments of its shards
+    assert stage_params_estimate(cfg, world, 0) == q["params"]
+    assert got["layout"]["ep"] == 2
+
+
+def test_moe_collectives_and_step_time_by_hand():
+    """dp4 x ep2 on one H100 node: every layer and micro-batch sends its tokens x k rows of h fp32 to the experts'
+    ranks and back, forward and backward (and the E int64 counts first), all-to-alls over the ep group that
+    the actions wait on; the experts' buckets reduce over the dp / ep ranks holding them. Without ep there are
+    none, and the step is shorter by those all-to-alls (the FLOPs are the same)."""
+    from megalm.plan import compose
+    from megalm.plan.formulas import collective_seconds, link, step_collectives
+    cfg, world = compose([*MOE, "parallel=dp4", "parallel.ep=2"])
+    m, b, s, h, k, E, L = 1, 2, 32, 32, 2, 4, 2
+    rows = b * s * k * h * 4
+    coll = step_collectives(cfg, world, 0, 0)
+    assert coll["ep"] == {"all_to_all": {"calls": 5 * m * L, "bytes": 4 * m * L * rows + m * L * E * 8}}
+    assert set(coll["edp"]) == {"all_reduce"} and coll["dp"]
+    bw, lat = link(cfg.cluster, [0, 1])
+    a2a = collective_seconds("all_to_all", 4 * m * L * rows + m * L * E * 8, 2, bw, lat, 5 * m * L)
+    got = _plan(*MOE, "parallel=dp4", "parallel.ep=2")["estimate"]
+    assert got["ep_seconds"][0] == pytest.approx(a2a)
+    dense = _plan(*MOE, "parallel=dp4")["estimate"]
+    without = step_collectives(*compose([*MOE, "parallel=dp4"]), 0, 0)
+    assert not without["ep"] and not without["edp"]
+    assert got["pipeline_seconds"] - dense["pipeline_seconds"] == pytest.approx(a2a, rel=1e-6)
+
+
+def test_moe_traffic_and_flops_count_k_experts():
+    """A mixture's layer: the FLOPs of k experts a token and the router (megalm.models.flops), and its bytes
+    outside the matmuls counted on fake tensors as on real ones (the router's counts and the grouped matmul
+    sized without values)."""
+    from megalm.plan.formulas import count_traffic, layer_and_head_flops_per_token
+    cfg = _compose(*MOE)
+    layer, _ = layer_and_head_flops_per_token(cfg.model)
+    dense, _ = layer_and_head_flops_per_token(dataclasses.replace(cfg.model, num_experts=0))
+    h, f = cfg.model.hidden_size, cfg.model.ffn_size
+    assert layer - dense == pytest.approx(6 * (h * f * 3 * (2 - 1) + h * 4))
+    for overrides in ([], ["trainer.precision=bf16", "model.moe_router_score_function=sigmoid"]):
+        c = _compose(*MOE, *overrides)
+        assert count_traffic(c) == count_traffic(c, fake=False), overrides

@@ -36,6 +36,12 @@ DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]  # CPU: dropout n
 TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
 PP2 = ["parallel=pp2_dp2", "trainer.global_batch_size=16"]  # 4 micro-batches
 CP2 = ["parallel=dp2", "parallel.cp=2", "trainer.global_batch_size=8"]  # 2 micro-batches
+MOE = ["model=moe_tiny", *SHAPE]
+MOE_CASES = {"": [], "-bf16-sigmoid-dropout": ["trainer.precision=bf16", "model.moe_router_score_function=sigmoid",
+                                                "model.dropout=0.1"],
+             "-gelu-full": ["model.activation=gelu", "parallel.recompute=full"],
+             "-capacity-selective": ["model.moe_router_topk=4", "model.moe_capacity_factor=0.5",
+                                     "parallel.recompute=selective", "model.moe_z_loss_coeff=0"]}
 SCHEDULES = [["parallel.pipeline_schedule=gpipe"], ["parallel.pipeline_schedule=1f1b"],
              ["parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2"],
              ["parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2"],
@@ -54,6 +60,10 @@ SINGLE = {
     "bert": BERT, "bert-post-dropout": [*POST, *DROPOUT], "bert-selective": [*BERT, "parallel.recompute=selective"],
     "bert-post-full": [*POST, "parallel.recompute=full"], "bert-bf16": [*BERT, "trainer.precision=bf16"],
     "bert-no-binary-head": [*BERT, "model.binary_head=false"],
+    # Mixtures of experts (model=moe_tiny: 4 SwiGLU experts, 2 a token, both aux losses): dropless routing runs
+    # tokens x k rows whatever the router picks; with a capacity, k = E sends every token to every expert, so
+    # each expert's share (and what it drops) is known.
+    **{f"moe{name}": [*MOE, *extra] for name, extra in MOE_CASES.items()},
 }
 MULTI = {
     "gpt2-tp2": [*GPT2, *TP2], "llama-tp2": [*LLAMA, *TP2],
@@ -328,3 +338,77 @@ def test_ring_attention_keeps_what_the_planner_counts(name):
         got = _ring_attention_saved(cfg, cp, rank)
         fewer = 0 if rank == 0 or cfg.parallel.recompute == "selective" else lse
         assert planned - fewer == got, (name, rank, planned, got)
+
+
+# One mixture-of-experts layer, exactly, at every way a rank routes its tokens: on a fake process group whose
+# all-to-alls hand each rank back what it sent (every rank alike: as many rows arrive as leave, the balanced
+# case the planner assumes), with the parallel settings parallelize gives the layer.
+MOE_LAYER = {
+    "ep2": ["parallel=dp2", "parallel.ep=2"],
+    "ep4-bf16-dropout": ["parallel=dp4", "parallel.ep=4", "trainer.precision=bf16", "model.dropout=0.1"],
+    "ep2-capacity": ["parallel=dp2", "parallel.ep=2", "model.moe_capacity_factor=0.5", "model.moe_router_topk=4"],
+    "tp2": ["parallel=tp2"],                                       # the layer cuts its shard: a copy
+    "tp2-b1": ["parallel=tp2", "trainer.micro_batch_size=1"],      # one sequence: the shard views the whole
+    "tp2-b1-bf16": ["parallel=tp2", "trainer.micro_batch_size=1", "trainer.precision=bf16"],
+    "tp2-sp-dropout": ["parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
+    "cp2-sigmoid": ["parallel.cp=2", "model.moe_router_score_function=sigmoid"],
+    "tp2-cp2-sp-gelu": ["parallel=tp2", "parallel.cp=2", "parallel.sequence_parallel=true", "model.activation=gelu"],
+}
+
+
+def _moe_layer_saved(cfg) -> int:
+    """Bytes one MoE layer keeps for backward on rank 0 of its group, its input, its weights and autocast's
+    copy of the router's weight aside."""
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megalm.models.moe import MoE
+    from megalm.parallel.experts import apply_expert_parallel
+    from megalm.training.precision import autocast
+    p, m, t = cfg.parallel, cfg.model, cfg.trainer
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=max(p.ep, p.tp * p.cp))
+    real = dist.all_to_all_single
+
+    def mirrored(out, inp, *args, **kwargs):
+        work = real(out, inp, *args, **kwargs)
+        out.copy_(inp.view_as(out))
+        return work
+    dist.all_to_all_single = mirrored
+    try:
+        torch.manual_seed(0)
+        layer = MoE(m).train()
+        group = dist.group.WORLD
+        if p.ep > 1:
+            apply_expert_parallel(layer, group)
+        if p.tp > 1 or p.cp > 1:  # megalm.parallel.experts.split_tokens
+            layer.token_group = group
+            layer.split_group = group if p.tp > 1 and not p.sequence_parallel else None
+        with torch.no_grad():
+            for q in layer.parameters():
+                q.normal_(0.0, 0.5)
+        seq = m.seq_length // p.cp // (p.tp if p.sequence_parallel else 1)
+        x = torch.randn(t.micro_batch_size, seq, m.hidden_size, requires_grad=True)
+        skip = {x.untyped_storage().data_ptr()} | {q.untyped_storage().data_ptr() for q in layer.parameters()}
+        saved = _SavedBytes(skip)
+        with autocast(t.precision, "cpu"), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = layer(x)
+        kept = saved.live
+        del out
+        return kept - (0 if t.precision == "fp32" else m.num_experts * m.hidden_size * 2)
+    finally:
+        dist.all_to_all_single = real
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", list(MOE_LAYER))
+def test_moe_layer_keeps_what_the_planner_counts(name):
+    """`moe_kept_bytes` (router, experts, the output's dropout) and `_moe_input` (the router's copy of the
+    layer's input, where it is not the input itself) are what one MoE layer keeps under expert parallelism
+    (the rows sent out and back), tp with and without sp (each rank routing its shard) and cp."""
+    from megalm.plan.formulas import _moe_input, _shape, moe_kept_bytes
+    cfg, world = _config([*MOE, "trainer.global_batch_size=16", *MOE_LAYER[name]])
+    p, t = cfg.parallel, cfg.trainer
+    d = _shape(cfg, world)
+    itself = t.precision == "fp32" and (p.tp == 1 or p.sequence_parallel or t.micro_batch_size == 1)
+    planned = sum(moe_kept_bytes(d).values()) + (0 if itself else _moe_input(d))
+    assert planned == _moe_layer_saved(cfg), name

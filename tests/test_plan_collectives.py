@@ -25,6 +25,7 @@ BASE = ["data=mock", "logging.curves=false", "trainer.micro_batch_size=2", "trai
 BERT = ["model=bert_tiny", "model.num_layers=4"]
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2"]
+MOE = ["model=moe_tiny", "model.num_layers=4", "model.moe_router_topk=4"]
 # Odd widths and a bucket per parameter: buckets of odd length, padded to a multiple of dp.
 ODD = ["model.hidden_size=33", "model.num_attention_heads=3", "parallel.bucket_size_mb=0.0001"]
 TWO_RANKS = [
@@ -60,6 +61,19 @@ TWO_RANKS = [
     ["parallel.cp=2", "parallel.zero_stage=1", *ODD],
     ["parallel.cp=2", *LLAMA, "trainer.precision=bf16", "parallel.recompute=full", "model.dropout=0.1"],
     ["parallel.cp=2", "parallel.recompute=selective", "trainer.precision=fp16", "trainer.loss_scale=128"],
+    # Mixtures of experts (k = E: every token to every expert, so each rank sends and receives exactly the
+    # planned rows): expert parallelism's all-to-alls and the experts' buckets over dp / ep (here one rank,
+    # which still reduces), ZeRO-1 shards there, full recomputation replaying the dispatch, a capacity;
+    # under tp each rank's shard (cut and gathered without sp), the router and experts summed over tp, the
+    # routing counts over tp or cp; ZeRO-3 units of experts; the routing report over pp.
+    [*MOE, "parallel=dp2", "parallel.ep=2"],
+    [*MOE, "parallel=dp2", "parallel.ep=2", "parallel.zero_stage=1", "trainer.precision=bf16",
+     "parallel.recompute=full", "model.moe_capacity_factor=0.5"],
+    [*MOE, "parallel=tp2", "parallel.recompute=full", "model.dropout=0.1"],
+    [*MOE, "parallel=tp2", "parallel.sequence_parallel=true", "parallel.recompute=full", "parallel.zero_stage=0"],
+    [*MOE, "parallel.cp=2", "parallel.zero_stage=2"],
+    [*MOE, "parallel=dp2", "parallel.zero_stage=3"],
+    [*MOE, "parallel=pp2", "parallel.pipeline_schedule=1f1b"],
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
@@ -125,15 +139,28 @@ def _step_on_this_rank(world, overrides):
             step()
             state.update(measured_model_state_bytes(model, optimizer, dp))
         optimizer.step = step_and_measure
-        # Collectives issued with torch.distributed itself, outside megalm's comm module.
-        direct, saved = {}, {name: getattr(dist, name) for name in ("all_reduce", "broadcast")}
+        # Collectives issued with torch.distributed itself, outside megalm's comm module (and outside
+        # megalm.parallel.experts._all_to_all, which records the rows a MoE forward sends; their backward, the
+        # engine's call of torch's autograd all-to-all, is not); an all-to-all counts the tensor a rank sends.
+        direct, saved = {}, {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_to_all_single")}
+
+        def tracked(frame):
+            while frame is not None:
+                code = frame.f_code
+                if code.co_filename.endswith("megalm/distributed/comm.py") or (
+                        code.co_name == "_all_to_all" and code.co_filename.endswith("megalm/parallel/experts.py")):
+                    return True
+                frame = frame.f_back
+            return False
 
         def recording(name):
             def call(tensor, *args, **kwargs):
-                if not sys._getframe(1).f_code.co_filename.endswith("megalm/distributed/comm.py"):
-                    entry = direct.setdefault(name, {"calls": 0, "bytes": 0})
+                sent = args[0] if name == "all_to_all_single" else tensor
+                if not tracked(sys._getframe(1)):
+                    entry = direct.setdefault("all_to_all" if name == "all_to_all_single" else name,
+                                              {"calls": 0, "bytes": 0})
                     entry["calls"] += 1
-                    entry["bytes"] += tensor.numel() * tensor.element_size()
+                    entry["bytes"] += sent.numel() * sent.element_size()
                 return saved[name](tensor, *args, **kwargs)
             return call
         try:
@@ -199,7 +226,8 @@ def test_what_the_layouts_exercise():
         seen |= {(purpose, kind) for purpose, entries in planned.items() for kind in entries}
     assert seen >= {("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("cp", "ring"),
                     ("pp", "send"), ("pp", "recv"), ("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
-                    ("embedding", "all_reduce"), ("other", "all_reduce"), ("other", "broadcast")}
+                    ("embedding", "all_reduce"), ("other", "all_reduce"), ("other", "broadcast"), ("ep", "all_to_all"),
+                    ("edp", "all_reduce"), ("edp", "reduce_scatter"), ("edp", "all_gather"), ("cp", "all_reduce")}
 
 
 def test_what_is_not_modelled_is_refused():

@@ -9,10 +9,12 @@ Reported per position:
 - the parameters this rank holds (exact: the same layout code a run uses), and its model-state bytes
   (weights, gradients, Adam's moments, the ZeRO buckets' padding included);
 - activation memory at the rank's peak (the schedule's in-flight micro-batches, sequence parallelism,
-  context parallelism's share of each sequence and its ring attention, recomputation), the logits and
-  loss buffers, and the peak in all against the device's memory;
+  context parallelism's share of each sequence and its ring attention, recomputation; a mixture of
+  experts' router and rows, planned for balanced routing), the logits and loss buffers, and the peak in
+  all against the device's memory;
 - bytes per collective in a step, by group (tp / sp, the cp ring's sends, pipeline sends, dp buckets
-  (over dp x cp under context parallelism), ZeRO-3 gathers, the tied embedding);
+  (over dp x cp under context parallelism), ZeRO-3 gathers, the tied embedding; a mixture of experts'
+  all-to-alls over ep and its experts' buckets over dp / ep);
 and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
 time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
 Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
@@ -110,7 +112,8 @@ def plan(cfg, world: int) -> Dict[str, Any]:
                 if act is None:
                     raise ConfigError(not_modelled)
                 # the meta-device layout these read is also where the rank's parameters are counted
-                q["params"] = f.rank_layout(cfg, world, stage, tp_rank).params
+                lay = f.rank_layout(cfg, world, stage, tp_rank)
+                q["params"] = lay.params
                 held = f.exact_model_state_bytes(cfg, world, stage, tp_rank)
                 coll = f.step_collectives(cfg, world, stage, tp_rank)
             except ConfigError as e:
@@ -123,7 +126,8 @@ def plan(cfg, world: int) -> Dict[str, Any]:
             model_state = held["weights"] + held["grads"] + held["optimizer"]
             if tp_rank == 0:
                 comm[stage] = coll
-                state[stage] = q["params"] / (replicas if p.zero_stage >= 1 else 1)
+                # what its optimizer updates: its ZeRO shards (experts' over dp / ep), or all it holds
+                state[stage] = lay.owned if p.zero_stage >= 1 and (lay.buckets or lay.expert_buckets) else q["params"]
             total = model_state + act["peak"]
             q.update({
                 "weights_bytes": held["weights"], "grads_bytes": held["grads"], "optimizer_bytes": held["optimizer"],
@@ -137,7 +141,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     schedule = p.pipeline_schedule if dims.pp > 1 else None
     v = len(f.stage_layers(cfg, dims.pp)) // dims.pp
     out = {"model": cfg.model.name, "cluster": cfg.cluster.name,
-           "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "world": world,
+           "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": p.ep, "world": world,
                       "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel,
                       "schedule": schedule, "virtual_stages": v, "recompute": p.recompute,
                       "precision": t.precision, "micro_batch_size": t.micro_batch_size, "micro_batches": m},
@@ -208,7 +212,7 @@ def _parts(cfg, tp: int) -> Tuple[int, int, int, int]:
     key = (repr(cfg.model), tp)
     if key not in _PARTS:
         L = cfg.model.num_layers
-        base = dict(tp=tp, dp=1, cp=1, sequence_parallel=tp > 1, pipeline_schedule="1f1b", virtual_pipeline_size=1,
+        base = dict(tp=tp, dp=1, cp=1, ep=1, sequence_parallel=tp > 1, pipeline_schedule="1f1b", virtual_pipeline_size=1,
                     zero_stage=0, recompute="none", recompute_num_layers=None)
         two = lambda split: _with(cfg, pp=2, layers_per_stage=split, micro_batch_size=1, **base)  # noqa: E731
         first = rank_params(two([0, L]), 2 * tp, 0)
@@ -220,6 +224,13 @@ def _parts(cfg, tp: int) -> Tuple[int, int, int, int]:
     return _PARTS[key]
 
 
+def expert_params_per_layer(cfg) -> int:
+    """Elements of a layer's experts (fc1 (E, h, 2f or f) and fc2 (E, f, h)); 0 for a dense MLP."""
+    m = cfg.model
+    E = getattr(m, "num_experts", 0)
+    return E * m.hidden_size * m.ffn_size * (3 if m.activation == "swiglu" else 2)
+
+
 def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
     """Parameters of tp rank 0 on pipeline rank `pp_rank`, from `_parts` (no model built per layout)."""
     from megalm.plan import formulas as f
@@ -228,6 +239,7 @@ def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
     layers = f.stage_layers(cfg, dims.pp)
     owner = f.stage_owner(cfg.parallel.pipeline_schedule, dims.pp, len(layers)) if dims.pp > 1 else [0] * len(layers)
     mine = [s for s in range(len(layers)) if owner[s] == pp_rank]
+    per_layer -= expert_params_per_layer(cfg) * (cfg.parallel.ep - 1) // cfg.parallel.ep  # E / ep experts here
     n = sum(layers[s] for s in mine) * per_layer
     n += first if 0 in mine else 0
     n += last if len(layers) - 1 in mine else 0
@@ -354,7 +366,7 @@ def _unit(values) -> Tuple[float, str]:
 def format_table(result: Dict[str, Any]) -> str:
     lay, est = result["layout"], result["estimate"]
     sched = f", {lay['schedule']} x{lay['virtual_stages']}" if lay["schedule"] else ""
-    cp = f" cp{lay['cp']}" if lay["cp"] > 1 else ""
+    cp = (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + (f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else "")
     head = [f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}{cp} ({lay['world']} ranks{sched}), "
             f"{lay['precision']}, ZeRO-{lay['zero_stage']}, sp {'on' if lay['sequence_parallel'] else 'off'}, "
             f"recompute {lay['recompute']}, {lay['micro_batches']} micro-batches of {lay['micro_batch_size']}",
@@ -370,7 +382,8 @@ def format_table(result: Dict[str, Any]) -> str:
     bubble = est.get("bubble") or result["bubble_compute_only"]
     su, sn = _unit(q["peak_bytes"] for q in qs_all)
     cu, cn = _unit(b for q in qs_all for b in q["comm_bytes"].values())
-    groups_shown = ("tp", "cp", "pp", "dp", "embedding") if lay["cp"] > 1 else ("tp", "pp", "dp", "embedding")
+    groups_shown = ("tp",) + (("cp",) if lay["cp"] > 1 else ()) + (("ep",) if lay.get("ep", 1) > 1 else ()) \
+        + ("pp", "dp") + (("edp",) if lay.get("ep", 1) > 1 else ()) + ("embedding",)
     rows = [("stages", "tp ranks", "params", f"model state {sn}", f"activations {sn}", "in flight", f"peak {sn}",
              "fits", *(f"{'emb' if g == 'embedding' else g} {cn}" for g in groups_shown), "bubble")]
     groups: Dict[tuple, List[Dict[str, Any]]] = {}  # positions alike in every column share a row
@@ -389,6 +402,8 @@ def format_table(result: Dict[str, Any]) -> str:
                      f"{bubble.get(q['stage'], 0.0):.1%}" if lay["pp"] > 1 else "-"))
     lines = head + _table(rows)
     cp_note = "; cp: the ring's sends, dp: over dp x cp" if lay["cp"] > 1 else ""
+    if lay.get("ep", 1) > 1:
+        cp_note += "; ep: the experts' all-to-alls (what a rank sends), edp: the experts' buckets over dp / ep"
     lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
                  f"reduce-scatter: the full input{cp_note})")
     if "missing" in est:

@@ -12,7 +12,11 @@
 
 Context parallelism (parallel.cp) runs through all of them: a rank's seq_length / cp tokens, the ring
 attention's saved tensors, the ring's sends and their overlap with the attention, gradients and ZeRO
-shards over dp x cp.
+shards over dp x cp. So does a mixture of experts (model.num_experts > 0, megalm.models.moe): the FLOPs of k
+experts a token and the router; what its router and experts keep (`moe_kept_bytes`), planned for balanced
+routing (`moe_rows`: dropless, tokens x k rows; under expert parallelism every rank receiving as many rows
+as it sends); each tp rank routing its own tokens; expert parallelism's all-to-alls (`expert_parallel`),
+waited on in the step time; the experts' buckets over the dp / ep ranks holding them (`expert_data_parallel`).
 
 Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
 tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
@@ -160,7 +164,7 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 # layer run on real tensors and against a hand count of a plain layer.
 
 FLOP_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm",
+    "mm", "addmm", "bmm", "baddbmm", "addbmm", "_scaled_mm", "_grouped_mm",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
     "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
@@ -181,7 +185,8 @@ class TrafficCounter:
     whole table. With `skip_at`, ops touching a tensor of at least that many elements are left out
     (the logits' passes, which `loss_traffic_bytes` counts)."""
 
-    def __init__(self, tokens: int, hidden: int, skip_at: Optional[int] = None):
+    def __init__(self, tokens: int, hidden: int, skip_at: Optional[int] = None, fake: bool = False):
+        import torch
         from torch.utils._python_dispatch import TorchDispatchMode
         counter = self
         self.tokens, self.h, self.skip_at = tokens, hidden, skip_at
@@ -189,6 +194,24 @@ class TrafficCounter:
 
         class Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if fake and func is torch.ops.aten.bincount.default:
+                    # A router's counts of its E experts (megalm.models.moe): fake tensors have no values to size
+                    # bincount's output by; the experts' ids are below minlength, so it is (minlength,).
+                    minlength = (kwargs or {}).get("minlength", args[2] if len(args) > 2 else 0)
+                    out = torch.zeros(minlength, dtype=torch.long, device=args[0].device)
+                    counter.record(func, args, kwargs or {}, out)
+                    return out
+                if fake and func is torch.ops.aten._grouped_mm.default:
+                    # The experts' grouped matmul: its meta kernel takes bf16 alone; only the shape matters here.
+                    a, b = args[0], args[1]
+                    if a.dim() == 2 and b.dim() == 3:
+                        shape = (a.shape[0], b.shape[2])
+                    elif a.dim() == 2 and b.dim() == 2:  # the weights' gradient: one (in, out) a group
+                        offs = args[2] if len(args) > 2 else (kwargs or {})["offs"]
+                        shape = (offs.shape[0], a.shape[0], b.shape[1])
+                    else:
+                        shape = (a.shape[0], a.shape[1], b.shape[-1])
+                    return torch.empty(shape, dtype=a.dtype, device=a.device)
                 out = func(*args, **(kwargs or {}))
                 counter.record(func, args, kwargs or {}, out)
                 return out
@@ -278,9 +301,13 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     family = family_of(m.arch)
     B, T, h = t.micro_batch_size, m.seq_length, m.hidden_size
     one = dataclasses.replace(m, num_layers=1)
+    if getattr(m, "num_experts", 0) and m.moe_capacity_factor is not None:
+        # Counted dropless: a capacity's kept rows are known only from values (the balanced case keeps
+        # min(1, f) of them, `moe_rows`); the layer's other passes are the same.
+        one = dataclasses.replace(one, moe_capacity_factor=None)
     logits = B * max(1, getattr(m, "num_choices", 0)) * T * m.padded_vocab_size
-    counter = TrafficCounter(B * T, h)
-    last_counter = TrafficCounter(B * T, h, skip_at=logits)
+    counter = TrafficCounter(B * T, h, fake=fake)
+    last_counter = TrafficCounter(B * T, h, skip_at=logits, fake=fake)
     if fake:
         from torch._subclasses.fake_tensor import FakeTensorMode
         context = FakeTensorMode()
@@ -409,7 +436,10 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
 #   and the statistics stay fp32, and each linear keeps a half-precision copy of its input and its weight;
 # - selective recomputation wraps the attention core (Parts.selective): with fused attention that saves
 #   only the log-sum-exp, the GQA-repeated keys and values and, after RoPE, SDPA's own output; not 5as/h.
-# - packed sequences (data.packing: a mask per example, position ids) are not modeled.
+# - packed sequences (data.packing: a mask per example, position ids) are not modeled;
+# - a mixture of experts (`moe_kept_bytes`) keeps per routed (token, expert) row what a dense MLP keeps per
+#   token, in fp32 (its grouped matmuls have no autocast rule), plus its routing's indices; the rows a rank
+#   runs depend on the router, and are planned for the balanced case (`moe_rows`).
 #
 # Context parallelism (parallel.cp, megalm.parallel.context) gives each rank s = seq_length / cp tokens of
 # every sequence, so every per-token term counts those; the attention core is the ring's
@@ -474,6 +504,15 @@ class _Shape:
     binary_head: bool = False  # BERT's pooler and sentence-order head
     cp: int = 1               # context-parallel ranks a sequence is split over (megalm.parallel.context)
     hd: int = 0               # head_dim
+    # A mixture of experts in place of each layer's MLP (megalm.models.moe; model.num_experts > 0):
+    experts: int = 0          # E, every expert of a layer (0: a dense MLP)
+    topk: int = 0             # k experts a token
+    sigmoid: bool = False     # sigmoid scores (else softmax)
+    aux: bool = False         # the load-balancing loss is on (its softmax probabilities are kept)
+    z: bool = False           # the router z-loss is on (its log-sum-exp is kept)
+    capacity: Optional[float] = None  # moe_capacity_factor (None: dropless)
+    ep: int = 1               # expert-parallel ranks: a rank holds experts / ep of a layer
+    relu: bool = False
 
     @property
     def seq(self) -> int:
@@ -515,7 +554,11 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
                   attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False),
                   bert=bert, post_norm=bert and m.norm_position == "post", token_types=bert and m.num_tokentypes > 0,
-                  binary_head=bert and m.binary_head, cp=dims.cp, hd=m.head_dim)
+                  binary_head=bert and m.binary_head, cp=dims.cp, hd=m.head_dim,
+                  experts=getattr(m, "num_experts", 0), topk=getattr(m, "moe_router_topk", 0),
+                  sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
+                  aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
+                  capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu")
 
 
 def _norm(d: _Shape) -> float:
@@ -658,6 +701,78 @@ def _hidden_dropout(d: _Shape) -> float:
     return 2 * d.h * d.mask(element) / d.seq
 
 
+def moe_rows(tokens: int, experts: int, topk: int, capacity: Optional[float]) -> int:
+    """(token, expert) assignments a mixture-of-experts layer runs for `tokens` routed tokens, planned for the
+    balanced case: dropless, all tokens x k; with a capacity factor f each expert keeps at most
+    ceil(f x tokens x k / E) of its tokens x k / E, so min(tokens x k, E x ceil(f x tokens x k / E)). Under
+    expert parallelism each rank also receives this many rows on average (every rank sends its rows out by
+    expert; balanced routing spreads them evenly). Real routing moves these figures: an expert favoured by the
+    router gets more rows than the mean (the planner does not model the imbalance)."""
+    assigned = tokens * topk
+    if capacity is None:
+        return assigned
+    return min(assigned, experts * math.ceil(capacity * assigned / experts))
+
+
+def _moe_tokens(d: _Shape) -> int:
+    """Tokens one rank routes in each MoE layer: its b x s, or under tp its 1/tp share (megalm.parallel.experts
+    .split_tokens: the SP shard, or a shard cut from the replicated sequence)."""
+    return d.b * d.s // d.t
+
+
+def _moe_input(d: _Shape) -> float:
+    """What a MoE layer keeps of its input (the norm's output), in bytes for one micro-batch: the router's
+    linear saves it (fp32, or autocast's copy, h e a routed token). Without tp that is the norm's output
+    itself, as a dense MLP's fc1 keeps it; under sp the rank's shard; under tp without sp the shard the layer
+    cuts (a contiguous copy, except with one sequence a micro-batch, where the shard is a view that keeps the
+    whole (s, h) output alive in fp32)."""
+    if d.t > 1 and not d.sp and not d.autocast and d.b == 1:
+        return d.s * d.h * FP32
+    return _moe_tokens(d) * d.h * d.e
+
+
+def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
+    """What a mixture-of-experts layer (megalm.models.moe.MoE._forward, route, Experts; under expert
+    parallelism megalm.parallel.experts.dispatch) saves for backward besides its input, for one micro-batch
+    on one rank, by part. N tokens routed by the rank (`_moe_tokens`), R = `moe_rows` assignments (the
+    balanced case), E experts (E / ep on the rank), k a token, f the ffn width; the rows are fp32 (the
+    norm's output; grouped_mm has no autocast rule, so the experts run in fp32 under bf16 / fp16 too).
+
+    router: the router's logits come from an autocast linear (compute dtype e); on CUDA autocast runs softmax
+    and logsumexp in fp32, on CPU in e (s_e below). Kept: top-k's int64 indices (N k); softmax scoring the
+    softmax of the top k (N k, s_e); sigmoid scoring the scores (N E, e) and, for k > 1, the top k and their
+    sum (N k + N, e) of the renormalisation; with the load-balancing loss the softmax probabilities (N E,
+    s_e) and the expert shares it multiplies them by (E fp32); with the z-loss logsumexp's input and output
+    (N E + N, s_e).
+    experts: the assignment order and each row's token (R int64 each: the argsort of N k assignments, whose
+    first R a capacity keeps, and order // k); the cumulative counts (E int32); fc1's input rows (R h) and
+    the activation's tensors (SwiGLU: fc1's output 2f, SiLU's output and the product f each; GELU: fc1's
+    output and GELU's; ReLU: its output, fc2's input too); fc2's output (R h, the weighting's input), the
+    gathered weights (R) and the weighted rows index_add sums (R h). Under expert parallelism the rows are
+    sent to their experts' ranks: the receiver keeps its arrival-to-expert order and its inverse (R int64
+    each) and the experts' tensors for the R rows it receives (balanced: as many as it sends); the rows
+    come back as a new tensor (R h), which the weighting keeps in place of fc2's output.
+    dropout: with model.dropout, the MoE output's mask (N h, fp32 noise on CPU, a bool on CUDA)."""
+    N, E, k, h, f = _moe_tokens(d), d.experts, d.topk, d.h, d.f
+    R = moe_rows(N, E, k, d.capacity)
+    s_e = d.e if d.cpu else FP32
+    router = N * k * INT64
+    if d.sigmoid:
+        router += N * E * d.e + ((N * k + N) * d.e if k > 1 else 0)
+    else:
+        router += N * k * s_e
+    if d.aux:
+        router += N * E * s_e + E * FP32
+    if d.z:
+        router += (N * E + N) * s_e
+    width = 4 * f if d.swiglu else (f if d.relu else 2 * f)
+    experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + R * (2 * h + width + 1) * FP32 + R * h * FP32
+    if d.ep > 1:
+        experts += 2 * R * INT64
+    dropout = N * h * d.mask(FP32) if d.dropout > 0 else 0.0
+    return {"router": router, "experts": experts, "dropout": dropout}
+
+
 def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Optional[str] = None) -> Dict[str, float]:
     """Bytes one transformer layer keeps for backward for one micro-batch on one rank, by term.
 
@@ -683,6 +798,11 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
         raise ConfigError(f"recompute={mode} is not one of none, selective, full")
     attention = tokens * _attention_core(d, mode == "selective") if d.cp == 1 else \
         ring_attention_bytes(d, mode == "selective")
+    if d.experts:  # a mixture of experts in place of the MLP
+        moe = moe_kept_bytes(d)
+        return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * d.h * d.e + _moe_input(d),
+                "attention": attention, "key_mask": 0.0, "router": moe["router"], "mlp": moe["experts"],
+                "dropout": tokens * _hidden_dropout(d) / 2 + moe["dropout"]}
     return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e, "attention": attention,
             "key_mask": tokens * (_key_mask(d) if mode == "none" else 0.0), "mlp": tokens * _mlp(d),
             "dropout": tokens * _hidden_dropout(d)}
@@ -776,11 +896,14 @@ def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
     """Under autocast each linear keeps the half-precision copy of its weight it multiplied with: qkv, proj,
     fc1, fc2 of each layer that is not recomputed whole, and the head's on the last stage (/ t). Autocast
     caches the copy for its context, so a rank holds one set however many micro-batches are in flight.
-    BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's."""
+    BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's.
+    A mixture of experts has its router's (E x h, whole on every tp rank) in place of fc1's and fc2's: the
+    experts' grouped_mm has no autocast rule and multiplies the fp32 rows by the fp32 weights."""
     if not d.autocast:
         return 0
-    per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + d.h * d.f * (3 if d.swiglu else 2)
+    per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + (0 if d.experts else d.h * d.f * (3 if d.swiglu else 2))
     replicated = (d.h * d.h + (d.h * d.h + 2 * d.h if d.binary_head else 0)) * d.e if last and d.bert else 0
+    replicated += layers * d.experts * d.h * d.e  # a mixture's router (replicated over tp); its experts run in fp32
     return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t + replicated
 
 
@@ -911,7 +1034,7 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
 # A step means a step after the first, as the trainer runs it: in the first, torch's pipeline schedules
 # also infer the stages' shapes, which can run a stage's forward once more.
 
-PURPOSES = ("tp", "cp", "pp", "dp", "embedding", "other")
+PURPOSES = ("tp", "cp", "ep", "pp", "dp", "edp", "embedding", "other")
 ZERO_BUBBLE = ("interleaved_zb", "zbv")  # weight-gradient passes of their own (no accumulate hooks)
 
 Kinds = Dict[str, Dict[str, int]]        # {kind: {"calls": n, "bytes": b}}
@@ -938,6 +1061,9 @@ class RankLayout:
     tied_elements: int = 0             # gradient elements summed over the embedding group
     embedding_group: bool = False
     cp: int = 1                        # context-parallel ranks: buckets and ZeRO shards span dp x cp
+    ep: int = 1                        # expert-parallel ranks (parallel.ep): E / ep experts a MoE layer here
+    expert_buckets: Tuple[Tuple[int, int], ...] = ()  # experts' buckets over the dp / ep ranks holding them:
+                                                       # (elements padded to a multiple of dp / ep, / (dp / ep))
 
     @property
     def replicas(self) -> int:
@@ -1017,7 +1143,8 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
         v = len(layout.stage_ids)
         owner = tuple(next(r for r in range(dims.pp) if s in virtual_stages_of(r, dims.pp, v, p.pipeline_schedule))
                       for s in range(layout.num_stages)) if dims.pp > 1 else (0,)
-        fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, pp_rank=rank // (dims.dp * dims.cp * dims.tp),
+        fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=p.ep,
+                      pp_rank=rank // (dims.dp * dims.cp * dims.tp),
                       stage_layers=tuple(len(layout.stage_ranges[s]) for s in layout.stage_ids),
                       stage_ids=tuple(layout.stage_ids), owner=owner, params=sum(q.numel() for q in params),
                       param_bytes=sum(q.numel() * q.element_size() for q in params))
@@ -1030,8 +1157,10 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
             grads = [(s.tensor, s.stop - s.start, s.param is tied) for s in dp.shards]
         else:
             grads = [(q, q.numel(), q is tied) for q in dp.params]
+        experts = [getattr(b.params[0], "ep_shard", None) is not None for b in dp.buckets]
         fields.update(
-            buckets=tuple((b.size, b.shard_size) for b in dp.buckets),
+            buckets=tuple((b.size, b.shard_size) for b, e in zip(dp.buckets, experts) if not e),
+            expert_buckets=tuple((b.size, b.shard_size) for b, e in zip(dp.buckets, experts) if e),
             owned=sum(s.stop - s.start for s in dp.shards),
             sp_elements=sum(n for t, n, _ in grads if getattr(t, "sequence_parallel", False)),
             tied_elements=sum(n for _, n, is_tied in grads if is_tied),
@@ -1108,6 +1237,16 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     (b, s) all-reduces a micro-batch through torch.distributed directly (`untracked_collectives`).
 
     Under context parallelism s is the rank's seq_length / cp tokens: every one of these runs on them.
+
+    A mixture of experts (model.num_experts > 0) has no MLP pair: each tp rank routes its own share of the
+    tokens through replicated experts (megalm.parallel.experts.split_tokens). Under sp that is its sequence
+    shard, with no collective; without sp the layer cuts its shard of the replicated sequence (scatter_seq:
+    an all-gather of the fp32 (b, s/tp, h) gradient backward) and all-gathers its fp32 output
+    (gather_seq_replicated: forward; backward keeps the rank's chunk). Full recomputation's replay stops
+    before that gather (the layer's last saving op comes first), so only the attention's f and g replay.
+    The router's and experts' gradients are partial on every tp rank (tagged sequence_parallel): they join
+    the once-a-step sum over tp, with sp or without. The routing counts' all-reduce over the token group is
+    issued through torch.distributed directly (`untracked_collectives`).
     """
     kinds: Kinds = {}
     if lay.tp == 1:
@@ -1121,7 +1260,10 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     layers = sum(lay.stage_layers)
     replayed = _replayed_layers(cfg, lay) if p.recompute == "full" else 0
     post_norm = mdl.arch == "bert" and mdl.norm_position == "post"
-    g_replayed = replayed * (2 if mdl.dropout > 0 or post_norm else 1)
+    moe = bool(getattr(mdl, "num_experts", 0))
+    pairs = 1 if moe else 2  # column -> row pairs a layer: attention's, and the dense MLP's
+    g_replayed = replayed * (2 if (mdl.dropout > 0 or post_norm) and not moe else 1)
+    f_replayed = replayed * pairs
     per_mb: Kinds = {}
     if lay.first:
         if sp and getattr(mdl, "position_embedding", "learned") != "learned":
@@ -1130,14 +1272,17 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
             _add(per_mb, "all_reduce", 1, act)
         if sp:
             _add(per_mb, "all_gather", 1, shard)  # backward of the sequence split
+    n = pairs * layers
     if sp:
-        _add(per_mb, "all_gather", 2 * layers + 2 * replayed, shard * (2 * layers + 2 * replayed))  # f forward
-        _add(per_mb, "reduce_scatter", 2 * layers + g_replayed, act_low * (2 * layers + g_replayed))  # g forward
-        _add(per_mb, "reduce_scatter", 2 * layers, act * 2 * layers)                # f backward
-        _add(per_mb, "all_gather", 2 * layers, shard_low * 2 * layers)              # g backward
+        _add(per_mb, "all_gather", n + f_replayed, shard * (n + f_replayed))        # f forward
+        _add(per_mb, "reduce_scatter", n + g_replayed, act_low * (n + g_replayed))  # g forward
+        _add(per_mb, "reduce_scatter", n, act * n)                                  # f backward
+        _add(per_mb, "all_gather", n, shard_low * n)                                # g backward
     else:
-        _add(per_mb, "all_reduce", 2 * layers + g_replayed, act_low * (2 * layers + g_replayed))  # g forward
-        _add(per_mb, "all_reduce", 2 * layers, act * 2 * layers)                    # f backward
+        _add(per_mb, "all_reduce", n + g_replayed, act_low * (n + g_replayed))      # g forward
+        _add(per_mb, "all_reduce", n, act * n)                                      # f backward
+        if moe:  # the MoE layer's own shard: its output gathered forward, its input's gradient backward
+            _add(per_mb, "all_gather", 2 * layers, shard * 2 * layers)
     if lay.last:
         if sp:
             _add(per_mb, "all_gather", 1, shard)
@@ -1151,7 +1296,7 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     m = microbatches(cfg, lay.dp)
     for kind, e in per_mb.items():
         _add(kinds, kind, m * e["calls"], m * e["bytes"])
-    if sp and lay.sp_elements:
+    if lay.sp_elements:  # sp's norms; a mixture's router and experts (with sp or without)
         _add(kinds, "all_reduce", 1, lay.sp_elements * FP32)
     return kinds
 
@@ -1239,6 +1384,54 @@ def data_parallel(cfg, lay: RankLayout) -> Kinds:
     return kinds
 
 
+def expert_data_parallel(cfg, lay: RankLayout) -> Kinds:
+    """The experts' buckets under expert parallelism (parallel.ep > 1; megalm.parallel.data): gradients of the
+    experts a rank holds (tagged ep_shard) are bucketed apart and reduced over the expert-data-parallel group,
+    the dp / ep ranks holding the same experts (megalm.parallel.experts.expert_groups), each bucket padded to a
+    multiple of dp / ep: an all-reduce (ZeRO-0) or a reduce-scatter (ZeRO-1/2) of the whole bucket, fp32, and
+    ZeRO-1/2's all-gather of each bucket's updated shard after the optimizer step. A group of one rank
+    (dp = ep) still issues them. Without expert parallelism experts are ordinary parameters in the dp buckets."""
+    kinds: Kinds = {}
+    if not lay.expert_buckets:
+        return kinds
+    z, n = cfg.parallel.zero_stage, len(lay.expert_buckets)
+    _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, sum(b for b, _ in lay.expert_buckets) * FP32)
+    if z in (1, 2):
+        _add(kinds, "all_gather", n, sum(c for _, c in lay.expert_buckets) * FP32)
+    return kinds
+
+
+def moe_row_bytes(cfg, tp: int) -> int:
+    """Bytes of one all-to-all of a MoE layer's rows under expert parallelism, for one micro-batch: the `moe_rows`
+    (token, expert) rows of the rank's routed tokens (b x s / tp), h fp32 each (the norm's output; the experts'
+    output back). Balanced routing: what a rank sends out equals what it receives and sends back."""
+    m, t = cfg.model, cfg.trainer
+    tokens = t.micro_batch_size * local_tokens(cfg) // tp
+    return moe_rows(tokens, m.num_experts, m.moe_router_topk, m.moe_capacity_factor) * m.hidden_size * FP32
+
+
+def _moe_passes(cfg, lay: RankLayout) -> int:
+    """Forwards of the rank's MoE layers in a step: each layer once a micro-batch, and again where full
+    recomputation replays it (its routing and dispatch come before the layer's last saving op)."""
+    layers = sum(lay.stage_layers)
+    replayed = _replayed_layers(cfg, lay) if cfg.parallel.recompute == "full" else 0
+    return microbatches(cfg, lay.dp) * (layers + replayed)
+
+
+def expert_parallel(cfg, lay: RankLayout) -> Kinds:
+    """The all-to-alls of expert parallelism that count_comm records (megalm.parallel.experts.dispatch, kind
+    "all_to_all", bytes: the rows the rank sends): each MoE forward sends its rows to their experts' ranks and
+    the experts' outputs back, two a layer and micro-batch (and again where full recomputation replays the
+    layer), `moe_row_bytes` each. The counts sent before the rows and the backward's two all-to-alls (torch's
+    autograd function issues them) go through torch.distributed directly (`untracked_collectives`)."""
+    kinds: Kinds = {}
+    if lay.ep == 1:
+        return kinds
+    calls = 2 * _moe_passes(cfg, lay)
+    _add(kinds, "all_to_all", calls, calls * moe_row_bytes(cfg, lay.tp))
+    return kinds
+
+
 def embedding(cfg, lay: RankLayout) -> Kinds:
     """The tied embedding's gradient summed between the first stage's embedding and the last stage's
     head copy (Megatron's embedding group; Narayanan et al., arXiv:2104.04473): one all-reduce a step of
@@ -1257,9 +1450,24 @@ def model_metrics(cfg) -> int:
 
 
 def _untracked(cfg, lay: RankLayout) -> Collectives:
-    """`untracked_collectives` by purpose: "other", and BERT's accuracy over tp under "tp"."""
+    """`untracked_collectives` by purpose: "other", BERT's accuracy over tp under "tp", a mixture's routing
+    counts over its token group under "tp" (or "cp" without tp) and its all-to-alls under "ep"."""
     k = model_metrics(cfg)
-    out: Collectives = {"tp": {}, "other": {}}
+    out: Collectives = {"tp": {}, "cp": {}, "ep": {}, "other": {}}
+    experts = getattr(cfg.model, "num_experts", 0)
+    if experts:
+        passes, layers = _moe_passes(cfg, lay), sum(lay.stage_layers)
+        m = microbatches(cfg, lay.dp)
+        if lay.tp > 1 or lay.cp > 1:  # each layer's counts summed over the ranks sharing a micro-batch's tokens
+            _add(out["tp" if lay.tp > 1 else "cp"], "all_reduce", passes, passes * experts * FP32)
+        if lay.ep > 1:  # the counts before the rows; the rows' two all-to-alls backward
+            _add(out["ep"], "all_to_all", passes, passes * experts * INT64)
+            _add(out["ep"], "all_to_all", 2 * m * layers, 2 * m * layers * moe_row_bytes(cfg, lay.tp))
+        # the step's routing report (trainer._moe_report): float64 sums (4 + E) and the largest load, over
+        # pp, tp, cp and dp, each group of more than one rank
+        for size in (lay.pp, lay.tp, lay.cp, lay.dp):
+            if size > 1:
+                _add(out["other"], "all_reduce", 2, (4 + experts + 1) * INT64)
     if lay.pp > 1:
         _add(out["other"], "broadcast", 1, (1 + k) * FP32)
     if lay.replicas > 1:
@@ -1282,8 +1490,14 @@ def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: 
     (trainer: grads.mean_over, one fp32) and the metrics in another all-reduce, under fp16 the overflow
     vote over every rank (DynamicLossScaler, one fp32); and BERT's MLM accuracy under tp
     (VocabParallelLMLoss.correct: the largest logit's max and the label's logit summed over tp, (b, s)
-    fp32 each, a micro-batch). In step_collectives they count under "tp" (the accuracy) and "other" (the
-    rest)."""
+    fp32 each, a micro-batch). A mixture of experts adds, each MoE layer's forward (and its replay under full
+    recomputation): the routing counts (E fp32) summed over the ranks sharing the micro-batch's tokens (tp
+    and / or cp: megalm.models.moe's token_group), and under expert parallelism the counts' all-to-all (E int64;
+    bytes are what a rank sends, as for the rows) and each micro-batch's two backward all-to-alls of the rows
+    (`moe_row_bytes`); and once a step the trainer's routing report, two float64 all-reduces (4 + E values, and
+    the largest load) over each of pp, tp, cp and dp that has more than one rank. In step_collectives they
+    count under "tp" (the accuracy; the counts under tp), "cp" (the counts under cp alone), "ep" (the
+    all-to-alls) and "other" (the rest)."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     kinds: Kinds = {}
     for entries in _untracked(cfg, lay).values():
@@ -1296,7 +1510,8 @@ def other(cfg, lay: RankLayout) -> Kinds:
     """The gradient norm's scalars (parallel/grads.py): the squared sums of tp-sharded gradients
     summed over tp (one fp32), the stages' totals over pp (one fp32), and under ZeRO the shards'
     two partial sums over their replicas, dp x cp (two fp32), each only over a group of more than one
-    rank."""
+    rank; under expert parallelism without ZeRO the experts' own sum over ep (one fp32; as ZeRO shards they
+    join the replicas' sum)."""
     kinds: Kinds = {}
     if lay.tp > 1:
         _add(kinds, "all_reduce", 1, FP32)
@@ -1304,20 +1519,23 @@ def other(cfg, lay: RankLayout) -> Kinds:
         _add(kinds, "all_reduce", 1, FP32)
     if cfg.parallel.zero_stage >= 1 and lay.replicas > 1:
         _add(kinds, "all_reduce", 1, 2 * FP32)
+    if lay.ep > 1 and cfg.parallel.zero_stage == 0 and sum(lay.stage_layers):
+        _add(kinds, "all_reduce", 1, FP32)  # the experts' squared sum over ep (each rank holds E / ep of them)
     return kinds
 
 
 def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0,
                       cp_rank: int = 0) -> Collectives:
     """The collectives one optimizer step (all its micro-batches) issues on the rank at (pp_rank,
-    dp_rank, cp_rank, tp_rank), by purpose: {"tp", "cp", "pp", "dp", "embedding", "other"} -> {kind:
-    {"calls", "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast and the cp
-    ring's sends, ring. dp_rank and cp_rank matter only for ZeRO's padding, which the last replica's shard
+    dp_rank, cp_rank, tp_rank), by purpose: {"tp", "cp", "ep", "pp", "dp", "edp", "embedding", "other"} ->
+    {kind: {"calls", "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast, the cp
+    ring's sends, ring, and expert parallelism's all_to_all (ep: the rows; edp: the experts' buckets). dp_rank and cp_rank matter only for ZeRO's padding, which the last replica's shard
     holds (replica dp_rank x cp + cp_rank). `cfg` is the composed Config (megalm.plan.compose); "other"
     includes `untracked_collectives`."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
-    out = {"tp": tensor_parallel(cfg, lay), "cp": context_parallel(cfg, lay), "pp": pipeline(cfg, lay),
-           "dp": data_parallel(cfg, lay), "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
+    out = {"tp": tensor_parallel(cfg, lay), "cp": context_parallel(cfg, lay), "ep": expert_parallel(cfg, lay),
+           "pp": pipeline(cfg, lay), "dp": data_parallel(cfg, lay), "edp": expert_data_parallel(cfg, lay),
+           "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
     for purpose, entries in _untracked(cfg, lay).items():
         for kind, e in entries.items():
             _add(out[purpose], kind, e["calls"], e["bytes"])
@@ -1368,8 +1586,8 @@ def exact_model_state_bytes(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank
     z = cfg.parallel.zero_stage
     if not lay.buckets:
         return {"weights": lay.param_bytes, "grads": lay.params * FP32, "optimizer": k * lay.params * FP32}
-    full = sum(size for size, _ in lay.buckets) * FP32
-    chunks = sum(shard for _, shard in lay.buckets) * FP32
+    full = sum(size for size, _ in lay.buckets + lay.expert_buckets) * FP32
+    chunks = sum(shard for _, shard in lay.buckets + lay.expert_buckets) * FP32
     return {"weights": chunks if z == 3 else lay.param_bytes,
             "grads": full if z <= 1 else chunks,
             "optimizer": k * (lay.owned if z >= 1 else lay.params) * FP32}
@@ -1395,7 +1613,10 @@ def wire_factor(kind: str, p: int) -> float:
         return (p - 1) / p
     if kind in ("send", "recv", "broadcast", "ring"):
         return 1.0
-    raise ValueError(f"unknown collective kind {kind!r}: all_reduce, all_gather, reduce_scatter, send, recv, ring")
+    if kind == "all_to_all":  # the recorded size is what a rank sends; (p - 1) / p of it leaves the rank
+        return (p - 1) / p
+    raise ValueError(f"unknown collective kind {kind!r}: all_reduce, all_gather, reduce_scatter, send, recv, ring, "
+                     "all_to_all")
 
 
 def latency_steps(kind: str, p: int) -> int:
@@ -1405,7 +1626,7 @@ def latency_steps(kind: str, p: int) -> int:
         return 0
     if kind in ("send", "recv", "broadcast", "ring"):
         return 1
-    return 2 * (p - 1) if kind == "all_reduce" else p - 1
+    return 2 * (p - 1) if kind == "all_reduce" else p - 1  # all_to_all: p - 1 pairwise exchanges
 
 
 def collective_seconds(kind: str, nbytes: float, p: int, bandwidth: float, latency: float,
@@ -1439,6 +1660,17 @@ def replica_ranks(dims, rank: int) -> List[int]:
     """The global ranks holding the same weights as `rank`: its dp group, or dp x cp flattened under context
     parallelism (megalm.distributed.mesh.replica_mesh), over which gradients are reduced."""
     return sorted({r for d in group_ranks(dims, "dp", rank) for r in group_ranks(dims, "cp", d)})
+
+
+def expert_ranks(dims, ep: int, rank: int, which: str) -> List[int]:
+    """The global ranks of `rank`'s expert-parallel group ("ep": its block of ep consecutive dp ranks) or
+    expert-data-parallel group ("edp": the dp ranks at its place in every block), as
+    megalm.parallel.experts.expert_groups cuts dp."""
+    dp_ranks = group_ranks(dims, "dp", rank)
+    d = dp_ranks.index(rank)
+    if which == "ep":
+        return [dp_ranks[i] for i in range(d - d % ep, d - d % ep + ep)]
+    return [dp_ranks[i] for i in range(d % ep, dims.dp, ep)]
 
 
 def inside_one_node(ranks: Sequence[int], devices_per_node: int) -> bool:
@@ -1735,7 +1967,10 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - every pipeline action (forward, backward, or zero-bubble's input / weight halves) computes its
       FLOPs (`stage_work`) at cluster.matmul_efficiency x the peak of trainer.precision, plus its share
       (by FLOPs) of the rank's tensor-parallel collectives, which wait on the compute (Megatron's layers
-      issue them between dependent matmuls, nothing to overlap them with); and its bytes outside the
+      issue them between dependent matmuls, nothing to overlap them with), and likewise of a mixture of
+      experts' all-to-alls over the ep group (each `collective_seconds` over the group's link: the counts,
+      the rows out and back, forward and backward, and their replay under full recomputation; dispatch
+      waits on each) and its routing counts over the token group; and its bytes outside the
       matmuls (`stage_traffic`: norms, activations, copies, the loss on the last stage...) over
       cluster.memory_bandwidth;
     - activations cross pipeline ranks as point-to-point sends (`boundary_messages`: forward the
@@ -1748,7 +1983,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       bubble;
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
       launches each bucket as its gradients are complete) and shows only beyond it, at least its last
-      bucket (over the replicas: dp, or dp x cp); ZeRO-1/2's parameter all-gather after the update and the
+      bucket (over the replicas: dp, or dp x cp; under expert parallelism the experts' buckets over their
+      dp / ep ranks too, after the others); ZeRO-1/2's parameter all-gather after the update and the
       tied-embedding sum are exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
       latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers are prefetched and show only
       beyond the rank's compute;
@@ -1779,6 +2015,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
             ranks = [rank_of(0), rank_of(dims.pp - 1)]
         elif group == "dp":
             ranks = replica_ranks(dims, r)
+        elif group in ("ep", "edp"):
+            ranks = expert_ranks(dims, p.ep, r, group)
         else:
             ranks = group_ranks(dims, group, r)
         bw, lat = link(c, ranks)
@@ -1787,7 +2025,11 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
 
     flops_of_rank = {r: m * sum(work[s].forward + work[s].backward for s in range(S) if owner[s] == r)
                      for r in range(dims.pp)}
-    tp_share = {r: seconds_of("tp", r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
+
+    def waited_on(r: int) -> float:  # tp's collectives, a mixture's all-to-alls and its counts over cp
+        cp_kinds = {k: v for k, v in comm[r].get("cp", {}).items() if k != "ring"}
+        return seconds_of("tp", r) + seconds_of("ep", r) + (seconds_of("cp", r, cp_kinds) if cp_kinds else 0.0)
+    tp_share = {r: waited_on(r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
 
     traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, dims.tp, m) if c.memory_bandwidth else None
                for s, n in enumerate(layers)]
@@ -1821,13 +2063,16 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     sim = simulate(order, seconds, transfer, lambda s: owner[s], S)
     after = {}
     for r in range(dims.pp):
-        dp = comm[r].get("dp", {})
-        reduce = {k: v for k, v in dp.items() if k in ("all_reduce", "reduce_scatter")}
-        gather = {k: v for k, v in dp.items() if k == "all_gather"}
-        reduce_s = seconds_of("dp", r, reduce)
-        gather_s = seconds_of("dp", r, gather)
+        reduce_s = gather_s = 0.0
+        buckets = 0
+        for group in ("dp", "edp"):  # the experts' buckets (expert parallelism) over their own group, in turn
+            kinds = comm[r].get(group, {})
+            reduce = {k: v for k, v in kinds.items() if k in ("all_reduce", "reduce_scatter")}
+            reduce_s += seconds_of(group, r, reduce)
+            gather_s += seconds_of(group, r, {k: v for k, v in kinds.items() if k == "all_gather"})
+            buckets += sum(int(v["calls"]) for v in reduce.values())
         last_backward = sum(work[s].backward for s in range(S) if owner[s] == r) / rate
-        buckets = max(1, sum(int(v["calls"]) for v in reduce.values()))
+        buckets = max(1, buckets)
         exposed_reduce = max(reduce_s - last_backward, reduce_s / buckets) if reduce_s else 0.0
         compute = flops_of_rank[r] / rate
         exposed_gather = max(0.0, gather_s - compute) if p.zero_stage == 3 else gather_s
@@ -1843,6 +2088,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
             "tokens_per_second": tokens / step, "mfu": model_flops / (step * dims.world_size * peak),
             "bubble": {r: sim.idle_share(r) for r in range(dims.pp)},
             "tp_seconds": {r: seconds_of("tp", r) for r in range(dims.pp)},
+            "ep_seconds": {r: seconds_of("ep", r) for r in range(dims.pp)},
             "cp_seconds": {r: seconds_of("cp", r) for r in range(dims.pp)},
             "cp_exposed_seconds": {r: m * sum(ring[s]["F"] + ring[s]["B"] for s in range(S) if owner[s] == r)
                                    for r in range(dims.pp)},
