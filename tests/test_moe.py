@@ -239,9 +239,10 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_toke
     ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
     ("parallel=tp2 model.moe_capacity_factor=1.0", r"capacity is chosen over a micro-batch's tokens, which tp splits"),
     ("parallel.ep=3", r"parallel.ep=3 must divide model.num_experts=4"),
+    ("parallel=dp2 parallel.ep=2 parallel.cp=2", r"parallel.ep=2 with parallel.cp=2 is not supported yet"),
 ])
 def test_bad_mixture_settings_are_refused(override, message):
     from megalm.validation import validate
     cfg = load(*BASE, *override.split())
     with pytest.raises(ConfigError, match=message):
-        validate(cfg, cfg.parallel.tp * cfg.parallel.pp * max(cfg.parallel.dp, 1))
+        validate(cfg, cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * max(cfg.parallel.dp, 1))

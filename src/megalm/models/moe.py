@@ -130,7 +130,12 @@ class MoE(nn.Module):
         self.split_group = None
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(weights (N, k), experts (N, k), softmax probabilities (N, E), logits (N, E)) of N tokens (N, h)."""
+        """(weights (N, k), experts (N, k), softmax probabilities (N, E), logits (N, E)) of N tokens (N, h),
+        all in fp32 (autocast off: the choice of experts must not hang on bf16 rounding)."""
+        with torch.autocast(x.device.type, enabled=False):
+            return self._route(x)
+
+    def _route(self, x: torch.Tensor):
         logits = F.linear(x.float(), self.router.weight.float())
         probs = torch.softmax(logits, dim=-1)
         if self.score_function == "softmax":

@@ -674,9 +674,10 @@ def ring_attention_bytes(d: _Shape, selective: bool = False) -> float:
 
 
 def _mlp(d: _Shape) -> float:
-    """GELU: fc1's output (GELU's input) and GELU's output (fc2's input), f each. SwiGLU: fc1's output
-    [gate | up] (2f, SiLU and the product keep views of it), SiLU's output and the product (f each). / t."""
-    return (4 if d.swiglu else 2) * d.f * d.e / d.t
+    """GELU: fc1's output (GELU's input) and GELU's output (fc2's input), f each. ReLU: its output only
+    (its own backward and fc2's input). SwiGLU: fc1's output [gate | up] (2f, SiLU and the product keep
+    views of it), SiLU's output and the product (f each). / t."""
+    return (4 if d.swiglu else 1 if d.relu else 2) * d.f * d.e / d.t
 
 
 def _norm_kept(d: _Shape, element: int) -> float:
@@ -721,14 +722,14 @@ def _moe_tokens(d: _Shape) -> int:
 
 
 def _moe_input(d: _Shape) -> float:
-    """What a MoE layer keeps of its input (the norm's output), in bytes for one micro-batch: the router's
-    linear saves it (fp32, or autocast's copy, h e a routed token). Without tp that is the norm's output
-    itself, as a dense MLP's fc1 keeps it; under sp the rank's shard; under tp without sp the shard the layer
-    cuts (a contiguous copy, except with one sequence a micro-batch, where the shard is a view that keeps the
-    whole (s, h) output alive in fp32)."""
-    if d.t > 1 and not d.sp and not d.autocast and d.b == 1:
+    """What a MoE layer keeps of its input (the norm's output, fp32), in bytes for one micro-batch: the
+    router's linear saves it (fp32 under autocast too: the router runs with autocast off). Without tp that is
+    the norm's output itself; under sp the rank's shard; under tp without sp the shard the layer cuts (a
+    contiguous copy, except with one sequence a micro-batch, where the shard is a view that keeps the whole
+    (s, h) output alive)."""
+    if d.t > 1 and not d.sp and d.b == 1:
         return d.s * d.h * FP32
-    return _moe_tokens(d) * d.h * d.e
+    return _moe_tokens(d) * d.h * FP32
 
 
 def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
@@ -738,12 +739,10 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     balanced case), E experts (E / ep on the rank), k a token, f the ffn width; the rows are fp32 (the
     norm's output; grouped_mm has no autocast rule, so the experts run in fp32 under bf16 / fp16 too).
 
-    router: the router's logits come from an autocast linear (compute dtype e); on CUDA autocast runs softmax
-    and logsumexp in fp32, on CPU in e (s_e below). Kept: top-k's int64 indices (N k); softmax scoring the
-    softmax of the top k (N k, s_e); sigmoid scoring the scores (N E, e) and, for k > 1, the top k and their
-    sum (N k + N, e) of the renormalisation; with the load-balancing loss the softmax probabilities (N E,
-    s_e) and the expert shares it multiplies them by (E fp32); with the z-loss logsumexp's input and output
-    (N E + N, s_e).
+    router: in fp32 (autocast off), at every precision. Kept: top-k's int64 indices (N k); softmax scoring the
+    softmax of the top k (N k); sigmoid scoring the scores (N E) and, for k > 1, the top k and their sum
+    (N k + N) of the renormalisation; with the load-balancing loss the softmax probabilities (N E) and the
+    expert shares it multiplies them by (E); with the z-loss logsumexp's input and output (N E + N).
     experts: the assignment order and each row's token (R int64 each: the argsort of N k assignments, whose
     first R a capacity keeps, and order // k); the cumulative counts (E int32); fc1's input rows (R h) and
     the activation's tensors (SwiGLU: fc1's output 2f, SiLU's output and the product f each; GELU: fc1's
@@ -755,16 +754,15 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     dropout: with model.dropout, the MoE output's mask (N h, fp32 noise on CPU, a bool on CUDA)."""
     N, E, k, h, f = _moe_tokens(d), d.experts, d.topk, d.h, d.f
     R = moe_rows(N, E, k, d.capacity)
-    s_e = d.e if d.cpu else FP32
     router = N * k * INT64
     if d.sigmoid:
-        router += N * E * d.e + ((N * k + N) * d.e if k > 1 else 0)
+        router += N * E * FP32 + ((N * k + N) * FP32 if k > 1 else 0)
     else:
-        router += N * k * s_e
+        router += N * k * FP32
     if d.aux:
-        router += N * E * s_e + E * FP32
+        router += N * E * FP32 + E * FP32
     if d.z:
-        router += (N * E + N) * s_e
+        router += (N * E + N) * FP32
     width = 4 * f if d.swiglu else (f if d.relu else 2 * f)
     experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + R * (2 * h + width + 1) * FP32 + R * h * FP32
     if d.ep > 1:
@@ -897,13 +895,12 @@ def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
     fc1, fc2 of each layer that is not recomputed whole, and the head's on the last stage (/ t). Autocast
     caches the copy for its context, so a rank holds one set however many micro-batches are in flight.
     BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's.
-    A mixture of experts has its router's (E x h, whole on every tp rank) in place of fc1's and fc2's: the
-    experts' grouped_mm has no autocast rule and multiplies the fp32 rows by the fp32 weights."""
+    A mixture of experts has none in place of fc1's and fc2's: its router runs in fp32 with autocast off, and
+    the experts' grouped_mm has no autocast rule (fp32 rows by fp32 weights)."""
     if not d.autocast:
         return 0
     per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + (0 if d.experts else d.h * d.f * (3 if d.swiglu else 2))
     replicated = (d.h * d.h + (d.h * d.h + 2 * d.h if d.binary_head else 0)) * d.e if last and d.bert else 0
-    replicated += layers * d.experts * d.h * d.e  # a mixture's router (replicated over tp); its experts run in fp32
     return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t + replicated
 
 
