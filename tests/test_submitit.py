@@ -42,6 +42,8 @@ def test_a_layout_sweep_runs_each_job_at_its_own_size_one_task_a_rank(tmp_path):
         assert "world 2" in (sweep / job / "train.log").read_text()
     tasks = sorted(n for n in (len(list(job.glob("*_log.out"))) for job in (sweep / ".submitit").iterdir()) if n)
     assert tasks == [1, 2, 2]  # submitit's log a task: job 0 ran one, jobs 1 and 2 two each
+    # The two-task jobs met on a port task 0 found free (not submitit's draw from the job id, which can be taken).
+    assert len(list((sweep / ".submitit").glob("*/*_rendezvous_port"))) == 2
 
 
 def _compose(overrides):

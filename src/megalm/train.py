@@ -90,8 +90,38 @@ def _adopt_submitit_rank() -> None:
     if "SUBMITIT_EXECUTOR" not in os.environ:
         return
     import submitit
-    if submitit.JobEnvironment().num_tasks > 1:
-        submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+    job = submitit.JobEnvironment()
+    if job.num_tasks > 1:
+        dist_env = submitit.helpers.TorchDistributedEnvironment()
+        if os.environ["SUBMITIT_EXECUTOR"] == "local" and "MASTER_PORT" not in os.environ:
+            dist_env.master_port = _local_rendezvous_port(job)
+        dist_env.export(set_cuda_visible_devices=False)
+
+
+def _local_rendezvous_port(job, wait_s: float = 300.0) -> int:
+    """A job of submitit's local executor (hydra/launcher=megalm_local): the port its ranks meet on, free
+    on this machine. Submitit's own is drawn at random from 20000-60000 by the job id, which on a busy
+    machine can be a port another process holds (rank 0 then cannot listen, and the others would wait on
+    a stranger's socket); here task 0 asks the system for a free port and leaves it in the job's folder,
+    where the other tasks read it."""
+    import socket
+    import time
+    path = Path(job.paths.folder) / f"{job.job_id}_rendezvous_port"
+    if job.global_rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))  # every interface, as the rendezvous store listens
+            port = s.getsockname()[1]
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(str(port))
+        tmp.replace(path)  # whole, or not there yet
+        return port
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise MegalmError(f"task {job.global_rank} of job {job.job_id} waited {wait_s:.0f} s for task 0's "
+                              f"rendezvous port in {path}")
+        time.sleep(0.1)
+    return int(path.read_text())
 
 
 def _run(dcfg: DictConfig) -> Optional[float]:
