@@ -20,7 +20,10 @@ added to the reported loss: each adds its gradient where the router made it (`_A
 scaled as the trainer scales the loss (1 / micro-batches, the fp16 loss scale: `MoEStats.grad_scale`),
 so pipeline stages need no path for them to the last stage. `MoEStats` gathers, for the log, each
 step's aux and z losses (summed over layers, averaged over micro-batches), the share of assignments
-dropped and the busiest expert's load over the mean.
+dropped, the busiest expert's load over the mean and each expert's assignments.
+
+Under expert parallelism (megalm.parallel.experts) a rank holds E / ep experts and `dispatch` sends
+the rows to them; under tp and cp each rank routes its own tokens (`token_group`, `split_group`).
 """
 
 from __future__ import annotations
