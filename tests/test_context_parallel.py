@@ -12,7 +12,7 @@ import pytest
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import BASE as PLAIN, GPT2, LLAMA, _rank_runs, grad_norms, load, losses
+from test_parallel_model import BASE as PLAIN, GPT2, LLAMA, _rank_runs, grad_norms, load, losses, parallel_model
 
 # The loss left off at end-of-document inputs: the chunks of a micro-batch hold unequal shares of
 # the tokens learned, which the ranks' loss weights must account for.
@@ -89,17 +89,10 @@ def _ring_volume(rank, world, tp):
     """One forward and backward at cp = world / tp: the bytes each rank sent around the ring."""
     from megalm.data import build_data, collate
     from megalm.distributed.comm import count_comm
-    from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
-    from megalm.parallel import materialize, parallelize
     from megalm.parallel.context import weighted_loss
     cp = world // tp
     cfg = load(*BASE, *LLAMA, f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.sequence_parallel={tp > 1}")
-    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = build_model(cfg.model, "meta")
-    parallelize(model, mesh, cfg.parallel)
-    materialize(model, "cpu")
-    init_weights(model, cfg.model, 0)
+    _, model, _ = parallel_model(cfg, world)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=0)
     batch = model.context.split(data.batch(collate([data.train[i] for i in range(2)])))
     with count_comm() as stats:

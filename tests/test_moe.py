@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import _rank_runs, load, parallel_model
 
 
 def _cfg(**kw):
@@ -200,15 +200,8 @@ def _expert_split(rank, world):
     """At dp2 x ep2: each rank's expert weights, and the bytes its layers' all-to-alls sent in one forward."""
     from megalm.data import build_data, collate
     from megalm.distributed.comm import count_comm
-    from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
-    from megalm.parallel import materialize, parallelize
     cfg = load(*BASE, "parallel=dp2", "parallel.ep=2")
-    mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
-    model = build_model(cfg.model, "meta")
-    parallelize(model, mesh, cfg.parallel)
-    materialize(model, "cpu")
-    init_weights(model, cfg.model, 0)
+    _, model, _ = parallel_model(cfg, world)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=0)
     batch = data.batch(collate([data.train[i] for i in range(2 * rank, 2 * rank + 2)]))
     with count_comm() as stats:

@@ -185,19 +185,25 @@ def test_inductor_compiled_blocks_train_like_eager(single, tmp_path):
     assert compiled_graphs(tmp_path) > 0
 
 
-def _comm_volume(rank, world, sequence_parallel):
-    import torch
-    from megalm.distributed.comm import count_comm
+def parallel_model(cfg, world: int):
+    """On a rank: (mesh, this rank's model at cfg.parallel, its layout), initialised as training does."""
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, init_weights
     from megalm.parallel import materialize, parallelize
-    from megalm.parallel.grads import clip_grads, finalize_grads
-    cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
     model = build_model(cfg.model, "meta")
     layout = parallelize(model, mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
+    return mesh, model, layout
+
+
+def _comm_volume(rank, world, sequence_parallel):
+    import torch
+    from megalm.distributed.comm import count_comm
+    from megalm.parallel.grads import clip_grads, finalize_grads
+    cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
+    mesh, model, layout = parallel_model(cfg, world)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
     with count_comm() as fwd:
         loss = model(x[:, :-1], labels=x[:, 1:])

@@ -135,23 +135,24 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gated, self.relu = cfg.activation == "swiglu", cfg.activation == "relu"
-        self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
-        width = cfg.ffn_size * (2 if self.gated else 1)
+        self.activation = cfg.activation
+        width = cfg.ffn_size * (2 if cfg.activation == "swiglu" else 1)
         self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.relu:
-            h = F.relu(h)
-        else:
-            h = F.gelu(h, approximate=self.approximate)
-        return self.dropout(self.fc2(h))
+        return self.dropout(self.fc2(activate(self.fc1(x), self.activation)))
+
+
+def activate(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """An MLP's nonlinearity on fc1's output: swiglu (h = [gate | up]), relu, gelu_exact, or gelu (tanh)."""
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    if activation == "relu":
+        return F.relu(h)
+    return F.gelu(h, approximate="none" if activation == "gelu_exact" else "tanh")
 
 
 class Embedding(nn.Module):

@@ -93,22 +93,14 @@ class Experts(nn.Module):
 
     def __init__(self, cfg):
         super().__init__()
-        self.gated, self.relu = cfg.activation == "swiglu", cfg.activation == "relu"
-        self.approximate = "none" if cfg.activation == "gelu_exact" else "tanh"
-        width = cfg.ffn_size * (2 if self.gated else 1)
+        self.activation = cfg.activation
+        width = cfg.ffn_size * (2 if cfg.activation == "swiglu" else 1)
         self.fc1 = GroupedLinear(cfg.num_experts, cfg.hidden_size, width)
         self.fc2 = GroupedLinear(cfg.num_experts, cfg.ffn_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x, offsets)
-        if self.gated:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        elif self.relu:
-            h = F.relu(h)
-        else:
-            h = F.gelu(h, approximate=self.approximate)
-        return self.fc2(h, offsets)
+        from megalm.models.layers import activate
+        return self.fc2(activate(self.fc1(x, offsets), self.activation), offsets)
 
 
 class MoE(nn.Module):

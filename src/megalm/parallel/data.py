@@ -85,6 +85,26 @@ class Bucket:
     rank: int = 0
 
 
+def capped_groups(params: List[nn.Parameter], cap: int, alone: Optional[nn.Parameter] = None) -> List[List[nn.Parameter]]:
+    """`params` in reverse order (backward produces the last layers' gradients first), cut into groups of
+    at most `cap` elements (a larger parameter alone); `alone` gets a group of its own where it falls."""
+    groups: List[List[nn.Parameter]] = []
+    current: List[nn.Parameter] = []
+    filled = 0
+    for p in reversed(params):
+        if p is alone:
+            groups.append([p])
+            continue
+        if current and filled + p.numel() > cap:
+            groups.append(current)
+            current, filled = [], 0
+        current.append(p)
+        filled += p.numel()
+    if current:
+        groups.append(current)
+    return groups
+
+
 class DataParallel:
     """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
 
@@ -122,21 +142,9 @@ class DataParallel:
         expert parallelism in buckets of their own (another group reduces them)."""
         groups: List[List[nn.Parameter]] = []
         for experts in (False, True):
-            current: List[nn.Parameter] = []
-            filled = 0
-            for p in reversed(self.params):  # backward produces the last layers' gradients first
-                if (getattr(p, "ep_shard", None) is not None) != experts:
-                    continue
-                if p is self.tied:  # its own bucket: both stages of the embedding group shard it alike
-                    groups.append([p])
-                    continue
-                if current and filled + p.numel() > cap:
-                    groups.append(current)
-                    current, filled = [], 0
-                current.append(p)
-                filled += p.numel()
-            if current:
-                groups.append(current)
+            params = [p for p in self.params if (getattr(p, "ep_shard", None) is not None) == experts]
+            # the tied weight in a bucket of its own: both stages of the embedding group shard it alike
+            groups += capped_groups(params, cap, alone=self.tied)
         return groups
 
     def _build_buckets(self, cap: int, device) -> None:

@@ -28,6 +28,7 @@ from torch import nn
 from megalm.config import ParallelConfig
 from megalm.distributed.comm import record_p2p
 from megalm.models.family import Part, Parts
+from megalm.parallel.context import weighted_loss
 from megalm.parallel.stages import MULTI_STAGE, virtual_stages_of
 
 
@@ -91,7 +92,6 @@ class Pipeline:
     def _micro_batch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
         """The model's loss on the samples `index` of the batch in flight: the schedule splits a
         target tensor only, so it carries sample indices and the loss gathers the batch's fields."""
-        from megalm.parallel.context import weighted_loss
         batch = {k: v[index] for k, v in self._batch.items()}
         if self.metrics_fn is None:
             return weighted_loss(self.loss_fn(output, batch), batch)

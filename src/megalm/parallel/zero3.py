@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from megalm.distributed.comm import bucket_all_gather
-from megalm.parallel.data import Bucket, DataParallel
+from megalm.parallel.data import Bucket, DataParallel, capped_groups
 
 
 def model_units(model: nn.Module) -> List[nn.Module]:
@@ -85,15 +85,7 @@ class FullyShardedDataParallel(DataParallel):
             params = [p for p in self.params if owner[p] == i]
             # The tied weight keeps a bucket of its own, as under stages 1 and 2.
             for part in ([p for p in params if p is not self.tied], [p for p in params if p is self.tied]):
-                current, filled = [], 0
-                for p in reversed(part):
-                    if current and filled + p.numel() > cap:
-                        groups.append(current)
-                        current, filled = [], 0
-                    current.append(p)
-                    filled += p.numel()
-                if current:
-                    groups.append(current)
+                groups += capped_groups(part, cap)
         return groups
 
     def _owned(self, b: Bucket) -> torch.Tensor:

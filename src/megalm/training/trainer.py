@@ -19,6 +19,7 @@ from megalm.data.provenance import tokenizer_record
 from megalm.errors import TrainingError
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
+from megalm.parallel.context import weighted_loss
 from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
 from megalm.training.precision import DynamicLossScaler, autocast
@@ -126,7 +127,6 @@ class Trainer:
 
     def _loss(self, batch: Dict[str, torch.Tensor]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The model's loss on a batch, and its metrics (None when it reports none)."""
-        from megalm.parallel.context import weighted_loss
         output = self.model(*(batch[k] for k in self.inputs + tuple(k for k in self.optional_inputs if k in batch)))
         if self.metric_names:
             loss, values = self.model.loss_and_metrics(output, batch)
