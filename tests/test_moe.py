@@ -125,6 +125,8 @@ LAYOUTS = [
     (["parallel=tp2", "parallel.sequence_parallel=true"], 2),
     (["parallel.cp=2"], 2),
     (["parallel=tp2_dp2", "parallel.ep=2", "parallel.sequence_parallel=true"], 4),
+    # ep x cp: the experts' gradients reduced over (dp / ep) x cp, the ranks holding the same experts.
+    (["parallel=dp2", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], 4),
 ]
 
 
@@ -232,7 +234,7 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_toke
     ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
     ("parallel=tp2 model.moe_capacity_factor=1.0", r"capacity is chosen over a micro-batch's tokens, which tp splits"),
     ("parallel.ep=3", r"parallel.ep=3 must divide model.num_experts=4"),
-    ("parallel=dp2 parallel.ep=2 parallel.cp=2", r"parallel.ep=2 with parallel.cp=2 is not supported yet"),
+    ("parallel=dp2 parallel.ep=2 parallel.zero_stage=3", r"parallel.ep=2 with parallel.zero_stage=3 is not supported"),
 ])
 def test_bad_mixture_settings_are_refused(override, message):
     from megalm.validation import validate

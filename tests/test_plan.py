@@ -588,7 +588,7 @@ def test_expert_parallel_ranks_hold_their_experts_and_shard_them_over_dp_by_ep()
 def test_moe_collectives_and_step_time_by_hand():
     """dp4 x ep2 on one H100 node: every layer and micro-batch sends its tokens x k rows of h fp32 to the experts'
     ranks and back, forward and backward (and the E int64 counts first), all-to-alls over the ep group that
-    the actions wait on; the experts' buckets reduce over the dp / ep ranks holding them. Without ep there are
+    the actions wait on; the experts' buckets reduce over the (dp / ep) x cp ranks holding them. Without ep there are
     none, and the step is shorter by those all-to-alls (the FLOPs are the same)."""
     from megalm.plan import compose
     from megalm.plan.formulas import collective_seconds, link, step_collectives

@@ -78,7 +78,9 @@ TWO_RANKS = [
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
                # cp2 with tp2 + sp and a pipeline: every term on the rank's half of each sequence
-               ["parallel=tp2_pp2", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"]]
+               ["parallel=tp2_pp2", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
+               # ep x cp: the experts' buckets over (dp / ep) x cp = 4 ranks (ZeRO-1 shards there)
+               [*MOE, "parallel=dp4", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"]]
 
 
 def _compose(overrides):
@@ -140,15 +142,16 @@ def _step_on_this_rank(world, overrides):
             state.update(measured_model_state_bytes(model, optimizer, dp))
         optimizer.step = step_and_measure
         # Collectives issued with torch.distributed itself, outside megalm's comm module (and outside
-        # megalm.parallel.experts._all_to_all, which records the rows a MoE forward sends; their backward, the
-        # engine's call of torch's autograd all-to-all, is not); an all-to-all counts the tensor a rank sends.
+        # megalm.parallel.experts._AllToAll, which records the rows a MoE layer sends forward and their gradients
+        # backward); an all-to-all counts the tensor a rank sends.
         direct, saved = {}, {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_to_all_single")}
 
         def tracked(frame):
             while frame is not None:
                 code = frame.f_code
                 if code.co_filename.endswith("megalm/distributed/comm.py") or (
-                        code.co_name == "_all_to_all" and code.co_filename.endswith("megalm/parallel/experts.py")):
+                        code.co_qualname.startswith("_AllToAll.")
+                        and code.co_filename.endswith("megalm/parallel/experts.py")):
                     return True
                 frame = frame.f_back
             return False

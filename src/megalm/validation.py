@@ -304,9 +304,6 @@ def _validate_experts(cfg: Config, dp: int) -> None:
     if p.zero_stage == 3:
         raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_stage=3 is not supported yet; use zero_stage 0, 1 "
                           "or 2")
-    if p.cp > 1:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.cp={p.cp} is not supported yet (the experts' gradients "
-                          "would need reducing over cp too); use one of them")
 
 
 def _validate_context(cfg: Config) -> None:

@@ -15,10 +15,10 @@ grouped computation, puts the rows back in arrival order, and a second all-to-al
 their tokens' ranks, which weight and sum them as without expert parallelism.
 
 Gradients: a rank's expert weights gather the gradients of every ep rank's tokens; the ranks that
-hold the same experts (the expert-data-parallel group, dp / ep of them) sum them and, like every
-gradient, divide by dp (megalm.parallel.data.DataParallel: experts' buckets over that group, ZeRO
-shards there too). In the gradient norm experts count once: summed over ep (or, as ZeRO shards,
-over dp).
+hold the same experts (the expert-data-parallel group: dp / ep of them, times cp under context
+parallelism) sum them and, like every gradient, divide by dp (times cp): megalm.parallel.data's
+DataParallel reduces the experts' buckets over that group, and ZeRO shards them there. In the
+gradient norm experts count once: summed over ep (or, as ZeRO shards, over dp).
 """
 
 from __future__ import annotations
@@ -35,12 +35,15 @@ from megalm.parallel.tensor import TPShard
 
 def expert_groups(mesh, ep: int) -> Tuple[object, object]:
     """(this rank's ep group, its expert-data-parallel group): dp split into dp / ep blocks of ep
-    consecutive dp ranks; the ep group is this rank's block, the edp group its position in every block."""
+    consecutive dp ranks; the ep group is this rank's block, the edp group its position in every block
+    and, under context parallelism, every cp rank (they hold the same experts and see other tokens):
+    (dp / ep) x cp ranks."""
     from torch.distributed.device_mesh import DeviceMesh
     pp, dp, cp, tp = (mesh[d].size() for d in ("pp", "dp", "cp", "tp"))
     ranks = mesh.mesh.reshape(pp, dp // ep, ep, cp, tp)
     experts = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=("pp", "edp", "ep", "cp", "tp"))
-    return experts["ep"].get_group(), experts["edp"].get_group()
+    edp = experts["edp", "cp"]._flatten("edp_cp") if cp > 1 else experts["edp"]
+    return experts["ep"].get_group(), edp.get_group()
 
 
 def apply_expert_parallel(model: nn.Module, group) -> None:
@@ -83,12 +86,31 @@ def split_tokens(model: nn.Module, mesh, sequence_parallel: bool) -> None:
                 p.sequence_parallel = True
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows to and from the ranks of `group`; backward sends the rows' gradients back the way they came.
+    (Written here: torch.distributed.nn's autograd all-to-all is deprecated, and the functional
+    collectives' one runs outside the process group's own all_to_all_single, which count_comm tracks.)"""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+        ctx.splits, ctx.group = (list(out_splits), list(in_splits)), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        with _record("all_to_all", x.numel() * x.element_size()):
+            dist.all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        with _record("all_to_all", grad.numel() * grad.element_size()):
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
 def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     """Rows of x to the ranks (in_splits of them to each), rows from them (out_splits), with autograd."""
-    from torch.distributed.nn.functional import all_to_all_single
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    with _record("all_to_all", x.numel() * x.element_size()):
-        return all_to_all_single(out, x.contiguous(), list(out_splits), list(in_splits), group=group)
+    return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
 def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:

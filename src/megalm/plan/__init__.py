@@ -14,7 +14,7 @@ Reported per position:
   all against the device's memory;
 - bytes per collective in a step, by group (tp / sp, the cp ring's sends, pipeline sends, dp buckets
   (over dp x cp under context parallelism), ZeRO-3 gathers, the tied embedding; a mixture of experts'
-  all-to-alls over ep and its experts' buckets over dp / ep);
+  all-to-alls over ep and its experts' buckets over (dp / ep) x cp);
 and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
 time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
 Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
@@ -126,7 +126,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
             model_state = held["weights"] + held["grads"] + held["optimizer"]
             if tp_rank == 0:
                 comm[stage] = coll
-                # what its optimizer updates: its ZeRO shards (experts' over dp / ep), or all it holds
+                # what its optimizer updates: its ZeRO shards (experts' over (dp / ep) x cp), or all it holds
                 state[stage] = lay.owned if p.zero_stage >= 1 and (lay.buckets or lay.expert_buckets) else q["params"]
             total = model_state + act["peak"]
             q.update({
@@ -403,7 +403,7 @@ def format_table(result: Dict[str, Any]) -> str:
     lines = head + _table(rows)
     cp_note = "; cp: the ring's sends, dp: over dp x cp" if lay["cp"] > 1 else ""
     if lay.get("ep", 1) > 1:
-        cp_note += "; ep: the experts' all-to-alls (what a rank sends), edp: the experts' buckets over dp / ep"
+        cp_note += "; ep: the experts' all-to-alls (what a rank sends), edp: the experts' buckets over (dp / ep) x cp"
     lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
                  f"reduce-scatter: the full input{cp_note})")
     if "missing" in est:

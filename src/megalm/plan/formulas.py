@@ -16,7 +16,7 @@ shards over dp x cp. So does a mixture of experts (model.num_experts > 0, megalm
 experts a token and the router; what its router and experts keep (`moe_kept_bytes`), planned for balanced
 routing (`moe_rows`: dropless, tokens x k rows; under expert parallelism every rank receiving as many rows
 as it sends); each tp rank routing its own tokens; expert parallelism's all-to-alls (`expert_parallel`),
-waited on in the step time; the experts' buckets over the dp / ep ranks holding them (`expert_data_parallel`).
+waited on in the step time; the experts' buckets over the (dp / ep) x cp ranks holding them (`expert_data_parallel`).
 
 Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
 tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
@@ -1059,8 +1059,8 @@ class RankLayout:
     embedding_group: bool = False
     cp: int = 1                        # context-parallel ranks: buckets and ZeRO shards span dp x cp
     ep: int = 1                        # expert-parallel ranks (parallel.ep): E / ep experts a MoE layer here
-    expert_buckets: Tuple[Tuple[int, int], ...] = ()  # experts' buckets over the dp / ep ranks holding them:
-                                                       # (elements padded to a multiple of dp / ep, / (dp / ep))
+    expert_buckets: Tuple[Tuple[int, int], ...] = ()  # experts' buckets over the (dp / ep) x cp ranks holding
+                                                       # them: (elements padded to a multiple of that, / that)
 
     @property
     def replicas(self) -> int:
@@ -1384,8 +1384,8 @@ def data_parallel(cfg, lay: RankLayout) -> Kinds:
 def expert_data_parallel(cfg, lay: RankLayout) -> Kinds:
     """The experts' buckets under expert parallelism (parallel.ep > 1; megalm.parallel.data): gradients of the
     experts a rank holds (tagged ep_shard) are bucketed apart and reduced over the expert-data-parallel group,
-    the dp / ep ranks holding the same experts (megalm.parallel.experts.expert_groups), each bucket padded to a
-    multiple of dp / ep: an all-reduce (ZeRO-0) or a reduce-scatter (ZeRO-1/2) of the whole bucket, fp32, and
+    the (dp / ep) x cp ranks holding the same experts (megalm.parallel.experts.expert_groups), each bucket padded
+    to a multiple of that size: an all-reduce (ZeRO-0) or a reduce-scatter (ZeRO-1/2) of the whole bucket, fp32, and
     ZeRO-1/2's all-gather of each bucket's updated shard after the optimizer step. A group of one rank
     (dp = ep) still issues them. Without expert parallelism experts are ordinary parameters in the dp buckets."""
     kinds: Kinds = {}
@@ -1419,12 +1419,12 @@ def expert_parallel(cfg, lay: RankLayout) -> Kinds:
     """The all-to-alls of expert parallelism that count_comm records (megalm.parallel.experts.dispatch, kind
     "all_to_all", bytes: the rows the rank sends): each MoE forward sends its rows to their experts' ranks and
     the experts' outputs back, two a layer and micro-batch (and again where full recomputation replays the
-    layer), `moe_row_bytes` each. The counts sent before the rows and the backward's two all-to-alls (torch's
-    autograd function issues them) go through torch.distributed directly (`untracked_collectives`)."""
+    layer), and its backward sends both gradients back, two more a layer and micro-batch; `moe_row_bytes`
+    each. The counts sent before the rows go through torch.distributed directly (`untracked_collectives`)."""
     kinds: Kinds = {}
     if lay.ep == 1:
         return kinds
-    calls = 2 * _moe_passes(cfg, lay)
+    calls = 2 * _moe_passes(cfg, lay) + 2 * microbatches(cfg, lay.dp) * sum(lay.stage_layers)
     _add(kinds, "all_to_all", calls, calls * moe_row_bytes(cfg, lay.tp))
     return kinds
 
@@ -1448,18 +1448,16 @@ def model_metrics(cfg) -> int:
 
 def _untracked(cfg, lay: RankLayout) -> Collectives:
     """`untracked_collectives` by purpose: "other", BERT's accuracy over tp under "tp", a mixture's routing
-    counts over its token group under "tp" (or "cp" without tp) and its all-to-alls under "ep"."""
+    counts over its token group under "tp" (or "cp" without tp) and the all-to-all of its counts under "ep"."""
     k = model_metrics(cfg)
     out: Collectives = {"tp": {}, "cp": {}, "ep": {}, "other": {}}
     experts = getattr(cfg.model, "num_experts", 0)
     if experts:
-        passes, layers = _moe_passes(cfg, lay), sum(lay.stage_layers)
-        m = microbatches(cfg, lay.dp)
+        passes = _moe_passes(cfg, lay)
         if lay.tp > 1 or lay.cp > 1:  # each layer's counts summed over the ranks sharing a micro-batch's tokens
             _add(out["tp" if lay.tp > 1 else "cp"], "all_reduce", passes, passes * experts * FP32)
-        if lay.ep > 1:  # the counts before the rows; the rows' two all-to-alls backward
+        if lay.ep > 1:  # the counts before the rows
             _add(out["ep"], "all_to_all", passes, passes * experts * INT64)
-            _add(out["ep"], "all_to_all", 2 * m * layers, 2 * m * layers * moe_row_bytes(cfg, lay.tp))
         # the step's routing report (trainer._moe_report): float64 sums (4 + E) and the largest load, over
         # pp, tp, cp and dp, each group of more than one rank
         for size in (lay.pp, lay.tp, lay.cp, lay.dp):
@@ -1661,13 +1659,13 @@ def replica_ranks(dims, rank: int) -> List[int]:
 
 def expert_ranks(dims, ep: int, rank: int, which: str) -> List[int]:
     """The global ranks of `rank`'s expert-parallel group ("ep": its block of ep consecutive dp ranks) or
-    expert-data-parallel group ("edp": the dp ranks at its place in every block), as
-    megalm.parallel.experts.expert_groups cuts dp."""
+    expert-data-parallel group ("edp": the dp ranks at its place in every block, with every cp rank of each),
+    as megalm.parallel.experts.expert_groups cuts dp."""
     dp_ranks = group_ranks(dims, "dp", rank)
     d = dp_ranks.index(rank)
     if which == "ep":
         return [dp_ranks[i] for i in range(d - d % ep, d - d % ep + ep)]
-    return [dp_ranks[i] for i in range(d % ep, dims.dp, ep)]
+    return sorted(q for i in range(d % ep, dims.dp, ep) for q in group_ranks(dims, "cp", dp_ranks[i]))
 
 
 def inside_one_node(ranks: Sequence[int], devices_per_node: int) -> bool:
@@ -1981,7 +1979,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
       launches each bucket as its gradients are complete) and shows only beyond it, at least its last
       bucket (over the replicas: dp, or dp x cp; under expert parallelism the experts' buckets over their
-      dp / ep ranks too, after the others); ZeRO-1/2's parameter all-gather after the update and the
+      (dp / ep) x cp ranks too, after the others); ZeRO-1/2's parameter all-gather after the update and the
       tied-embedding sum are exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
       latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers are prefetched and show only
       beyond the rank's compute;
