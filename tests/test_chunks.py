@@ -52,23 +52,30 @@ def test_blocks_of_every_rank_tile_the_global_tensor(shape, dim, segments, rows,
     assert torch.equal(seen, expected)
 
 
-@pytest.mark.parametrize("ep", [1, 2, 4])
-def test_stacked_experts_are_the_rows_of_each_expert_and_split_by_expert(ep):
-    """A mixture's (E, in, out) expert stack is stored as (E x in, out), expert after expert; expert
-    parallelism's dim-0 shard of it holds whole experts, i.e. a contiguous range of those rows."""
-    full = torch.arange(4 * 3 * 6, dtype=torch.float32).view(4, 3, 6)
-    expected = full.reshape(12, 6)
+@pytest.mark.parametrize("ep,tp,dim", [(1, 1, 0), (2, 1, 0), (4, 1, 0), (2, 2, 2), (1, 3, 1), (2, 2, 1), (4, 3, 2)])
+def test_stacked_experts_are_the_rows_of_each_expert_and_split_by_expert(ep, tp, dim):
+    """A mixture's (E, in, out) expert stack is stored as (E x in, out), expert after expert. Expert
+    parallelism's dim-0 shard holds whole experts, a contiguous range of those rows; expert tensor
+    parallelism splits each expert too: its columns (dim 2, fc1's [gate | up], each split) or its rows
+    (dim 1, fc2's). Every element lands once at its place, from ZeRO's flat ranges that cut experts."""
+    full = torch.arange(4 * 6 * 12, dtype=torch.float32).view(4, 6, 12)
+    expected = full.reshape(24, 12)
     seen = torch.zeros_like(expected)
-    for r in range(ep):
-        spec = TPShard(0, r, ep) if ep > 1 else None
-        local = spec.local(full).clone() if spec is not None else full.clone()
+    for r in range(ep * tp):
+        experts = TPShard(0, r // tp, ep) if ep > 1 else None
+        spec = TPShard(dim, r % tp, tp, (6, 6) if dim == 2 else None) if tp > 1 else None
+        local = full
+        for s in (experts, spec):
+            local = s.local(local) if s is not None else local
+        local = local.clone()
         n = local.numel()
-        for a, b in ((0, n // 3), (n // 3, n)):  # two flat ranges, as ZeRO buckets cut
-            size, blocks = place(local.view(-1)[a:b], local.shape, a, b, spec)
+        for a, b in ((0, n // 3 + 1), (n // 3 + 1, n)):  # two flat ranges, as ZeRO buckets cut
+            size, blocks = place(local.view(-1)[a:b], local.shape, a, b, spec, experts=experts)
             assert size == expected.shape
             for off, v in blocks:
-                seen[tuple(slice(o, o + k) for o, k in zip(off, v.shape))] += v
-    assert torch.equal(seen, expected)
+                assert torch.equal(v, expected[tuple(slice(o, o + k) for o, k in zip(off, v.shape))])
+                seen[tuple(slice(o, o + k) for o, k in zip(off, v.shape))] += 1
+    assert torch.equal(seen, torch.ones_like(expected))
 
 
 def test_four_dimensional_tensors_are_refused():

@@ -99,6 +99,10 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: each mixture-of-experts layer's experts split over ep of the dp ranks (ep divides
     dp), tokens sent to their experts' ranks and back by all-to-all (megalm.parallel.experts)."""
+    expert_tp: int = 1
+    """Tensor parallelism of the experts: 1 keeps every expert whole on each tp rank (which routes and computes its
+    own share of the tokens); parallel.tp splits each expert's fc1 columns and fc2 rows over the tp ranks, which run
+    one another's routed tokens through their shards (Megatron-Core's expert tensor parallelism)."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks (two chunks a rank, for causal balance), attention
     passing keys and values around the ring (megalm.parallel.context); GPT-family language models."""

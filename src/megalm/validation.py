@@ -285,10 +285,17 @@ def _validate_vocab(cfg: Config) -> None:
 
 
 def _validate_experts(cfg: Config, dp: int) -> None:
-    """Expert parallelism (parallel.ep) splits a mixture's experts over ep of the dp ranks."""
+    """Expert parallelism (parallel.ep) splits a mixture's experts over ep of the dp ranks, expert tensor
+    parallelism (parallel.expert_tp) each expert over the tp ranks."""
     p, m = cfg.parallel, cfg.model
     if p.ep < 1:
         raise ConfigError(f"parallel.ep={p.ep} must be at least 1")
+    if p.expert_tp not in (1, p.tp):
+        raise ConfigError(f"parallel.expert_tp={p.expert_tp} must be 1 (experts whole on every tp rank) or "
+                          f"parallel.tp={p.tp} (each expert split over the tp ranks)")
+    if p.expert_tp > 1 and not getattr(m, "num_experts", 0):  # (tp itself divides ffn_size)
+        raise ConfigError(f"parallel.expert_tp={p.expert_tp} splits the experts of a mixture of experts; "
+                          f"model={m.name} has none (model.num_experts=0): use parallel.expert_tp=1")
     if p.ep == 1:
         return
     experts = getattr(m, "num_experts", 0)

@@ -27,6 +27,7 @@ def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Se
     """Linear and embedding weights ~ N(0, init_std); residual output projections (names ending
     in `scaled`) use init_std / sqrt(2 * num_layers) as GPT-2 and Megatron do; norms get 1,
     biases 0. `vocab_params` draw their real vocabulary rows only (padding rows are 0)."""
+    from megalm.parallel.tensor import shard_specs
     out_std = output_init_std(cfg)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]
@@ -38,9 +39,9 @@ def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Se
             std = out_std if name.endswith(tuple(scaled)) else cfg.init_std
             # A tensor-parallel shard (tagged `tp_shard` by megalm.parallel) draws the full tensor
             # of its global name and keeps its own slice, so the weights do not depend on tp.
-            shard = getattr(p, "tp_shard", None) or getattr(p, "ep_shard", None)
+            specs = shard_specs(p)  # and an expert-parallel shard, the stack of every expert
             shape = list(p.shape)
-            if shard is not None:
+            for shard in specs:
                 shape[shard.dim] *= shard.world
             # The last pipeline stage's copy of a tied embedding draws as the embedding does.
             key = getattr(p, "tied_copy_of", name)
@@ -50,4 +51,6 @@ def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Se
                 full[:cfg.vocab_size].normal_(0.0, std, generator=g)
             else:
                 full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=g)
-            p.copy_(shard.local(full) if shard is not None else full)
+            for shard in specs:
+                full = shard.local(full)
+            p.copy_(full)

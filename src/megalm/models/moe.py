@@ -123,6 +123,7 @@ class MoE(nn.Module):
         # itself cuts a replicated sequence into tp shards and gathers the outputs (tp without SP).
         self.token_group = None
         self.split_group = None
+        self.expert_tp_group = None  # expert tensor parallelism: the tp group each expert is split over
 
     def route(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(weights (N, k), experts (N, k), softmax probabilities (N, E), logits (N, E)) of N tokens (N, h),
@@ -167,11 +168,14 @@ class MoE(nn.Module):
             kept_counts = torch.bincount(flat[keep], minlength=E)
         offsets = torch.cumsum(kept_counts, 0).to(torch.int32)
         rows = order // k  # the token of each kept assignment, in expert order
-        if self.ep_group is None:
+        if self.ep_group is None and self.expert_tp_group is None:
             y = self.experts(tokens[rows], offsets)
+        elif self.ep_group is None:  # every tp rank runs every rank's rows through its slice of the experts
+            from megalm.parallel.experts import run_experts
+            y = run_experts(self.experts, tokens[rows], kept_counts, self.expert_tp_group)
         else:  # the rows go to the ranks holding their experts, and come back
             from megalm.parallel.experts import dispatch
-            y = dispatch(self.experts, tokens[rows], kept_counts, self.ep_group)
+            y = dispatch(self.experts, tokens[rows], kept_counts, self.ep_group, self.expert_tp_group)
         y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
         out = torch.zeros(N, h, dtype=y.dtype, device=y.device).index_add_(0, rows, y)
         # Recorded once per training forward: not a recomputation inside backward, nor a pipeline's

@@ -115,9 +115,10 @@ def parallelize(model: nn.Module, mesh, cfg: ParallelConfig, seed: int = 0) -> L
             # out of the gradient norm (the first stage counts that matrix).
             held[copy].tied_copy_of = source
     if getattr(model.cfg, "num_experts", 0):
-        # A mixture under tp / cp: each rank routes its own tokens (experts replicated over tp and cp).
+        # A mixture under tp / cp: each rank routes its own tokens (experts replicated over tp and cp, or split
+        # over tp with parallel.expert_tp).
         from megalm.parallel.experts import split_tokens
-        split_tokens(model, mesh, cfg.sequence_parallel)
+        split_tokens(model, mesh, cfg.sequence_parallel, expert_tp=cfg.expert_tp > 1)
     # 3. Activation recomputation, after TP so it sees (and replays) the tp dropout stream.
     apply_recompute(model, cfg, layout)
     return layout

@@ -63,11 +63,12 @@ def apply_expert_parallel(model: nn.Module, group) -> None:
         module.ep_group = group
 
 
-def split_tokens(model: nn.Module, mesh, sequence_parallel: bool) -> None:
+def split_tokens(model: nn.Module, mesh, sequence_parallel: bool, expert_tp: bool = False) -> None:
     """Tensor and context parallelism of the MoE layers: each rank routes and computes its own tokens
     (tp: its sequence shard, cut here from the replicated sequence unless SP already did; cp: its
-    chunks), with the router and experts replicated over tp (whose ranks then hold partial gradients of
-    them, summed over tp like SP's norms) and cp. The aux losses are over every token of the group."""
+    chunks), with the router replicated over tp (whose ranks then hold partial gradients of it, summed
+    over tp like SP's norms) and cp. The experts are replicated alike, or with `expert_tp` split over the
+    tp ranks (`split_experts`). The aux losses are over every token of the group."""
     from megalm.models.moe import MoE
     tp, cp = mesh["tp"], mesh["cp"]
     if tp.size() == 1 and cp.size() == 1:
@@ -82,8 +83,32 @@ def split_tokens(model: nn.Module, mesh, sequence_parallel: bool) -> None:
         module.token_group = token_group
         if tp.size() > 1:
             module.split_group = None if sequence_parallel else tp.get_group()
+            if expert_tp:
+                split_experts(module, tp.get_group())
             for p in module.parameters():
-                p.sequence_parallel = True
+                if getattr(p, "tp_shard", None) is None:
+                    p.sequence_parallel = True
+
+
+def split_experts(module: nn.Module, group) -> None:
+    """Expert tensor parallelism: each of a MoE layer's experts split over the tp ranks as Megatron splits the
+    dense MLP, fc1's columns (SwiGLU: gate's and up's alike) and fc2's rows, tagged `tp_shard` (the experts an
+    ep rank holds keep their `ep_shard`). On the meta device, before materialize."""
+    from megalm.models.moe import GroupedLinear
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    experts = module.experts
+    fc1, fc2 = experts.fc1.weight, experts.fc2.weight
+    local, hidden, ffn = fc1.shape[0], fc1.shape[1], fc2.shape[1]
+    segments = (ffn, ffn) if experts.activation == "swiglu" else None
+    with torch.device(fc1.device):  # meta: no memory yet
+        experts.fc1 = GroupedLinear(local, hidden, fc1.shape[2] // world)
+        experts.fc2 = GroupedLinear(local, ffn // world, hidden)
+    experts.fc1.weight.tp_shard = TPShard(dim=2, rank=rank, world=world, segments=segments)
+    experts.fc2.weight.tp_shard = TPShard(dim=1, rank=rank, world=world)
+    for new, old in ((experts.fc1.weight, fc1), (experts.fc2.weight, fc2)):
+        if getattr(old, "ep_shard", None) is not None:
+            new.ep_shard = old.ep_shard
+    module.expert_tp_group = group
 
 
 class _AllToAll(torch.autograd.Function):
@@ -113,9 +138,42 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group) -> torch.Tensor:
+def run_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The outputs of this rank's experts for `rows`, sorted by expert (counts[e] rows of expert e), as one
+    grouped computation. Under expert tensor parallelism (`tp_group`) each tp rank holds a slice of every
+    expert: the ranks gather one another's rows (all-to-all, each rank's rows to every rank), each runs
+    them all through its slices, giving partial sums of every row's output, and a second all-to-all returns
+    each rank's rows, whose partial sums it adds (Megatron's column- then row-parallel MLP, over the tokens
+    of the whole group)."""
+    if tp_group is None:
+        return experts(rows, torch.cumsum(counts, 0).to(torch.int32))
+    from megalm.distributed.comm import _all_gather_single
+    world, local = dist.get_world_size(tp_group), counts.numel()
+    received = torch.empty(world * local, dtype=counts.dtype, device=counts.device)
+    _all_gather_single(received, counts.contiguous(), group=tp_group)  # [tp rank, expert] counts
+    received = received.view(world, local)
+    n, arrive = rows.shape[0], received.sum(1).tolist()
+    x = _all_to_all(rows.expand(world, *rows.shape).reshape(world * n, *rows.shape[1:]), arrive, [n] * world,
+                    tp_group)
+    y = _grouped(experts, x, received)
+    return _all_to_all(y, [n] * world, arrive, tp_group).view(world, n, *y.shape[1:]).sum(0)
+
+
+def _grouped(experts: nn.Module, x: torch.Tensor, received: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """Experts' outputs for rows x that came from each source (received[source, expert] rows each, sorted by
+    expert within a source), in arrival order: grouped by expert for one grouped computation, and back."""
+    world, local = received.shape
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=received.device).repeat(world),
+                                            received.reshape(-1))
+    by_expert = torch.argsort(expert_of_row, stable=True)
+    y = run_experts(experts, x[by_expert], received.sum(0), tp_group)
+    return y[torch.argsort(by_expert)]
+
+
+def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group, tp_group=None) -> torch.Tensor:
     """The experts' outputs for `rows` (sorted by global expert, counts[e] of expert e), computed on the
-    ranks holding the experts: rows out, grouped computation there, rows back."""
+    ranks holding the experts: rows out, grouped computation there (over tp too under expert tensor
+    parallelism: `run_experts`), rows back."""
     world = dist.get_world_size(group)
     local = counts.numel() // world
     received = torch.empty_like(counts)
@@ -124,10 +182,5 @@ def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group
     send = counts.view(world, local).sum(1).tolist()
     arrive = received.sum(1).tolist()
     x = _all_to_all(rows, arrive, send, group)
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=counts.device).repeat(world),
-                                            received.reshape(-1))
-    by_expert = torch.argsort(expert_of_row, stable=True)
-    offsets = torch.cumsum(received.sum(0), 0).to(torch.int32)
-    y = experts(x[by_expert], offsets)
-    y = y[torch.argsort(by_expert)]  # back in arrival order
+    y = _grouped(experts, x, received, tp_group)
     return _all_to_all(y, send, arrive, group)

@@ -68,15 +68,17 @@ def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, d
     """Squared global L2 norm of the gradients, each parameter counted once across tp and pp.
 
     With `dp_group` the params are ZeRO shards, disjoint over dp: their sums add up over it. Experts
-    split by expert parallelism (tagged ep_shard) are disjoint over `ep_group`; as ZeRO shards (over
-    the dp / ep ranks holding the same experts) they are disjoint over all of dp."""
-    sharded, replicated, experts = [], [], []
+    split by expert parallelism (tagged ep_shard) are disjoint over `ep_group` (and over tp where expert
+    tensor parallelism splits them too); as ZeRO shards (over the ranks holding the same experts) they are
+    disjoint over all of dp."""
+    sharded, replicated, experts, experts_tp = [], [], [], []
     for p in params:
         if p.grad is not None and getattr(p, "tied_copy_of", None) is None:
-            if getattr(p, "ep_shard", None) is not None:
-                (replicated if dp_group is not None else experts).append(p.grad)
+            split = getattr(p, "tp_shard", None) is not None  # (experts too, under expert tensor parallelism)
+            if getattr(p, "ep_shard", None) is not None and dp_group is None:
+                (experts_tp if split else experts).append(p.grad)
             else:
-                (sharded if getattr(p, "tp_shard", None) is not None else replicated).append(p.grad)
+                (sharded if split else replicated).append(p.grad)
 
     def sq(grads: List[torch.Tensor]) -> torch.Tensor:
         if not grads:
@@ -91,8 +93,11 @@ def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, d
     if tp_group is not None:
         all_reduce_sum(total_sharded, tp_group)
     total = total_sharded + total_replicated
-    if experts:
+    if experts or experts_tp:
         total_experts = sq(experts).to(total.device)
+        if experts_tp:
+            split = sq(experts_tp).to(total.device)
+            total_experts = total_experts + (all_reduce_sum(split, tp_group) if tp_group is not None else split)
         if ep_group is not None:
             all_reduce_sum(total_experts, ep_group)
         total = total + total_experts

@@ -77,6 +77,12 @@ class TPShard:
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=self.dim)
 
 
+def shard_specs(p) -> Tuple[TPShard, ...]:
+    """How a parameter is split: its expert-parallel shard (`ep_shard`, dim 0 of a stack of experts) and its
+    tensor-parallel one (`tp_shard`), those it has; each on its own dim."""
+    return tuple(s for s in (getattr(p, "ep_shard", None), getattr(p, "tp_shard", None)) if s is not None)
+
+
 def full_from_shards(shards: List[Tensor], spec: TPShard) -> Tensor:
     """Inverse of TPShard.local: the full tensor from every rank's shard, in rank order."""
     if len(shards) != spec.world:

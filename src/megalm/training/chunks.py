@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megalm.parallel.tensor import TPShard
+
 Block = Tuple[Tuple[int, ...], torch.Tensor]  # (global offsets, a view of this rank's memory)
 
 
@@ -87,12 +89,17 @@ def _tp_pieces(spec, local_len: int) -> List[Tuple[int, int, int]]:
 
 
 def place(flat: torch.Tensor, local_shape: Sequence[int], start: int, stop: int, spec=None,
-          rows: Optional[int] = None) -> Tuple[torch.Size, List[Block]]:
+          rows: Optional[int] = None, experts=None) -> Tuple[torch.Size, List[Block]]:
     """Global shape and this rank's blocks for elements [start, stop) of a local (tp-shard)
     tensor of `local_shape`, held by the 1-D `flat`. `spec` is its TPShard (None: not split),
-    `rows` keeps only global rows below it (the real vocabulary)."""
+    `rows` keeps only global rows below it (the real vocabulary). A stack of matrices (a mixture's
+    experts, E x in x out) is stored as the rows of each, one after another (E in x out); `experts`
+    is its expert-parallel shard (dim 0), and `spec` may split each matrix too (dim 1 or 2)."""
     shape = tuple(local_shape)
-    if len(shape) == 3:  # stacked matrices (a mixture's experts): stored as the rows of each, one after another
+    if len(shape) == 3 and spec is not None:
+        return _place_stack(flat, shape, start, stop, spec, experts)
+    if len(shape) == 3:
+        spec = experts  # whole matrices: the rank's experts are one run of rows
         shape = (shape[0] * shape[1], shape[2])
     if len(shape) not in (1, 2):
         raise ValueError(f"sharded checkpoint blocks need 1-D, 2-D or stacked 2-D tensors, not shape {shape}")
@@ -128,6 +135,29 @@ def place(flat: torch.Tensor, local_shape: Sequence[int], start: int, stop: int,
             blocks.append((tuple(off), v))
     size = torch.Size(full[1:] if one_d else full)
     return size, blocks
+
+
+def _place_stack(flat: torch.Tensor, shape: Tuple[int, int, int], start: int, stop: int, spec,
+                 experts) -> Tuple[torch.Size, List[Block]]:
+    """`place` for a stack of matrices each split by `spec` (expert tensor parallelism): matrix by matrix,
+    each one's blocks moved to its expert's rows."""
+    E, n_in, n_out = shape
+    inner = TPShard(spec.dim - 1, spec.rank, spec.world, spec.segments)
+    full_in = n_in * (spec.world if inner.dim == 0 else 1)
+    first = experts.rank * E if experts is not None else 0
+    size = n_in * n_out
+    blocks: List[Block] = []
+    out_shape = None
+    for e in range(E):
+        lo, hi = max(start, e * size), min(stop, (e + 1) * size)
+        if lo >= hi:
+            continue
+        out_shape, mine = place(flat[lo - start:hi - start], (n_in, n_out), lo - e * size, hi - e * size, inner)
+        blocks += [((r + (first + e) * full_in, c), v) for (r, c), v in mine]
+    if out_shape is None:
+        out_shape, _ = place(flat[:0], (n_in, n_out), 0, 0, inner)
+    total = E * (experts.world if experts is not None else 1) * full_in
+    return torch.Size((total, out_shape[1])), blocks
 
 
 class ChunkedSavePlanner(DefaultSavePlanner):

@@ -37,8 +37,8 @@ def _vocab_rows(model: nn.Module, name: str, p: nn.Parameter) -> Optional[int]:
 
 
 def _chunked(model: nn.Module, name: str, p: nn.Parameter, flat: torch.Tensor, start: int, stop: int) -> Chunked:
-    spec = getattr(p, "tp_shard", None) or getattr(p, "ep_shard", None)  # an expert-parallel shard: dim 0
-    return Chunked(*place(flat, p.shape, start, stop, spec, _vocab_rows(model, name, p)))
+    return Chunked(*place(flat, p.shape, start, stop, getattr(p, "tp_shard", None), _vocab_rows(model, name, p),
+                          experts=getattr(p, "ep_shard", None)))
 
 
 def _shards_of(data_parallel) -> Dict[nn.Parameter, Any]:
