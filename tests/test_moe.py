@@ -125,8 +125,9 @@ LAYOUTS = [
     (["parallel=tp2", "parallel.sequence_parallel=true"], 2),
     (["parallel.cp=2"], 2),
     (["parallel=tp2_dp2", "parallel.ep=2", "parallel.sequence_parallel=true"], 4),
-    # ep x cp: the experts' gradients reduced over (dp / ep) x cp, the ranks holding the same experts.
-    (["parallel=dp2", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"], 4),
+    # ep x cp: the experts' gradients reduced over (dp / ep) x cp, the ranks holding the same experts, and
+    # ZeRO-3 sharding and gathering them there.
+    (["parallel=dp2", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=3"], 4),
     # Expert tensor parallelism: each expert split over tp, every tp rank's rows through every slice.
     (["parallel=tp2", "parallel.expert_tp=2", "parallel.zero_stage=1"], 2),
     (["parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2", "parallel.sequence_parallel=true"], 4),
@@ -193,14 +194,14 @@ CKPT = ["checkpoint.save=true", "checkpoint.interval=2", "optimizer.decay_steps=
 
 
 def test_an_expert_parallel_checkpoint_continues_the_curve_in_one_process(tmp_path):
-    """Saved at step 2 at tp2 x dp2 x ep2 with expert tp and ZeRO-1 (each rank holding half of each of 2 of a
-    layer's 4 experts, and half of its weights' Adam state), loaded into one process for steps 3 and 4: the
-    single process's curve."""
+    """Saved at step 2 at tp2 x dp2 x ep2 with expert tp and ZeRO-3 (each rank holding half of each of 2 of a
+    layer's 4 experts, and of its weights and their Adam state a flat shard), loaded into one process for
+    steps 3 and 4: the single process's curve."""
     from megalm.train import run
     run(load(*BASE, *CKPT), tmp_path / "single", 1)
     ref, _ = _records(tmp_path / "single")
     run_ranks(4, _rank_runs, [([*BASE, *CKPT, "parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
-                                "parallel.zero_stage=1", "trainer.max_steps=2"], str(tmp_path / "ep"))])
+                                "parallel.zero_stage=3", "trainer.max_steps=2"], str(tmp_path / "ep"))])
     run(load(*BASE, *CKPT, f"checkpoint.load={tmp_path / 'ep' / 'checkpoints' / 'step_00000002'}"),
         tmp_path / "after", 1)
     assert _records(tmp_path / "ep")[0]["loss"] == pytest.approx(ref["loss"][:2], rel=1e-5)
@@ -255,7 +256,6 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_toke
     ("model.num_experts=1", r"model.num_experts=1: a mixture needs at least 2 experts"),
     ("parallel=tp2 model.moe_capacity_factor=1.0", r"capacity is chosen over a micro-batch's tokens, which tp splits"),
     ("parallel.ep=3", r"parallel.ep=3 must divide model.num_experts=4"),
-    ("parallel=dp2 parallel.ep=2 parallel.zero_stage=3", r"parallel.ep=2 with parallel.zero_stage=3 is not supported"),
     ("parallel=tp2 parallel.expert_tp=3", r"parallel.expert_tp=3 must be 1 .* or parallel.tp=2"),
     ("parallel=tp2 model.num_experts=0 parallel.expert_tp=2", r"parallel.expert_tp=2 splits the experts .* none"),
 ])

@@ -308,9 +308,6 @@ def _validate_experts(cfg: Config, dp: int) -> None:
     if dp % p.ep:
         raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel degree dp={dp}: the expert-parallel "
                           "ranks are data-parallel ranks")
-    if p.zero_stage == 3:
-        raise ConfigError(f"parallel.ep={p.ep} with parallel.zero_stage=3 is not supported yet; use zero_stage 0, 1 "
-                          "or 2")
 
 
 def _validate_context(cfg: Config) -> None:

@@ -83,8 +83,11 @@ class FullyShardedDataParallel(DataParallel):
         groups: List[List[nn.Parameter]] = []
         for i in reversed(range(len(self.units))):
             params = [p for p in self.params if owner[p] == i]
-            # The tied weight keeps a bucket of its own, as under stages 1 and 2.
-            for part in ([p for p in params if p is not self.tied], [p for p in params if p is self.tied]):
+            split = [getattr(p, "ep_shard", None) is not None for p in params]
+            # The tied weight keeps a bucket of its own, as under stages 1 and 2; so do the experts expert
+            # parallelism splits, which are sharded over the ranks holding the same experts.
+            for part in ([p for p, e in zip(params, split) if p is not self.tied and not e],
+                         [p for p, e in zip(params, split) if e], [p for p in params if p is self.tied]):
                 groups += capped_groups(part, cap)
         return groups
 
@@ -96,7 +99,7 @@ class FullyShardedDataParallel(DataParallel):
     def _shard_parameters(self, device) -> None:
         super()._shard_parameters(device)
         for b in self.buckets:
-            lo = self.dp_rank * b.shard_size
+            lo = b.rank * b.shard_size
             self._owned(b).copy_(b.param_buf[lo:lo + b.shard_size])
             b.gathered = True
             self._free(b)
@@ -106,7 +109,7 @@ class FullyShardedDataParallel(DataParallel):
         if not b.gathered:
             b.param_buf.untyped_storage().resize_(b.size * b.param_buf.element_size())
             with torch.no_grad():
-                b.gather_work = bucket_all_gather(b.param_buf, b.param_shard, self.dp_group, async_op=True)
+                b.gather_work = bucket_all_gather(b.param_buf, b.param_shard, b.group, async_op=True)
             b.gathered = True
         if wait and b.gather_work is not None:
             b.gather_work.wait()
