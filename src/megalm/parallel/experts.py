@@ -1,5 +1,6 @@
 """Expert parallelism (parallel.ep): each mixture-of-experts layer's experts split over ep ranks;
-and how a mixture runs under tensor and context parallelism (`split_tokens`).
+how a mixture runs under tensor and context parallelism (`split_tokens`); and expert tensor
+parallelism (parallel.expert_tp: each expert split over the tp ranks, `split_experts`, `run_experts`).
 
 The ep ranks are data-parallel ranks (ep divides dp, ep varying fastest within dp, as Megatron-Core
 carves its expert-parallel groups out of data parallelism): each runs its own micro-batches through
@@ -9,16 +10,17 @@ tagged `ep_shard`, a dim-0 TPShard, so init and checkpoints place them in the fu
 In a layer, each rank routes its own tokens exactly as one process would (so capacity, dropping and
 the auxiliary losses are the single process's, per micro-batch), sorts the kept (token, expert)
 assignments by expert, and `dispatch` sends each expert's rows to the rank holding it: an
-all-to-all of the per-expert counts, then one all-to-all of the rows (autograd's, whose backward is
-the reverse all-to-all). The receiver groups what came by local expert, runs its experts as one
+all-to-all of the per-expert counts, then one all-to-all of the rows (`_AllToAll`, whose backward
+is the reverse all-to-all). The receiver groups what came by local expert, runs its experts as one
 grouped computation, puts the rows back in arrival order, and a second all-to-all returns them to
 their tokens' ranks, which weight and sum them as without expert parallelism.
 
 Gradients: a rank's expert weights gather the gradients of every ep rank's tokens; the ranks that
 hold the same experts (the expert-data-parallel group: dp / ep of them, times cp under context
 parallelism) sum them and, like every gradient, divide by dp (times cp): megalm.parallel.data's
-DataParallel reduces the experts' buckets over that group, and ZeRO shards them there. In the
-gradient norm experts count once: summed over ep (or, as ZeRO shards, over dp).
+DataParallel reduces the experts' buckets over that group, and ZeRO (1-3) shards them there. In the
+gradient norm experts count once: summed over ep and, split by expert tp, over tp (or, as ZeRO shards,
+over dp and tp).
 """
 
 from __future__ import annotations
