@@ -621,3 +621,45 @@ def test_moe_traffic_and_flops_count_k_experts():
     for overrides in ([], ["trainer.precision=bf16", "model.moe_router_score_function=sigmoid"]):
         c = _compose(*MOE, *overrides)
         assert count_traffic(c) == count_traffic(c, fake=False), overrides
+
+
+def test_expert_tensor_parallel_collectives_and_step_time_by_hand():
+    """tp2 with expert tp on one H100 node: every layer and micro-batch sends the rank's tokens x k rows of h fp32
+    to both tp ranks and the partial outputs back, forward and backward, after gathering the E int64 counts over
+    tp (directly, untracked); the experts are tp slices, out of the once-a-step sum over tp; the actions wait
+    on all of it as on tp's collectives. A rank holds 1/tp of each expert (1/(ep tp) with ep), as the search's
+    estimate says too. Under ep with ZeRO-3 the experts' buckets are sharded and gathered over the dp / ep
+    ranks holding them, every micro-batch in forward and backward."""
+    from megalm.plan import compose, expert_params_per_layer, format_table, stage_params_estimate
+    from megalm.plan.formulas import collective_seconds, link, step_collectives, untracked_collectives, wire_factor
+    cfg, world = compose([*MOE, "parallel=tp2", "parallel.expert_tp=2"])
+    m, b, s, h, k, E, L, tp = 4, 2, 32, 32, 2, 4, 2, 2
+    rows = b * s // tp * k * h * 4
+    coll = step_collectives(cfg, world, 0, 0)
+    assert coll["tp"]["all_to_all"] == {"calls": 4 * m * L, "bytes": 4 * m * L * tp * rows}
+    assert untracked_collectives(cfg, world, 0, 0)["all_gather"] == {"calls": m * L, "bytes": m * L * E * 8}
+    whole = step_collectives(*compose([*MOE, "parallel=tp2"]), 0, 0)
+    experts = expert_params_per_layer(cfg) * L
+    assert whole["tp"]["all_reduce"]["bytes"] - coll["tp"]["all_reduce"]["bytes"] == experts * 4
+    bw, lat = link(cfg.cluster, [0, 1])
+    waited = collective_seconds("all_to_all", 4 * m * L * tp * rows, 2, bw, lat, 4 * m * L) \
+        + collective_seconds("all_gather", m * L * E * 8, 2, bw, lat, m * L) \
+        - wire_factor("all_reduce", 2) * experts * 4 / bw  # the experts left out of the sum over tp
+    got = _plan(*MOE, "parallel=tp2", "parallel.expert_tp=2")
+    dense = _plan(*MOE, "parallel=tp2")
+    assert got["estimate"]["tp_seconds"][0] - dense["estimate"]["tp_seconds"][0] == pytest.approx(waited)
+    assert got["estimate"]["pipeline_seconds"] - dense["estimate"]["pipeline_seconds"] == \
+        pytest.approx(waited, rel=1e-6)
+    assert got["positions"][0]["params"] == dense["positions"][0]["params"] - experts // 2
+    assert got["layout"]["expert_tp"] == 2
+    both = [*MOE, "parallel=tp2", "parallel.dp=4", "parallel.ep=2", "parallel.expert_tp=2"]
+    laid = _plan(*both)
+    held = laid["positions"][0]["params"]
+    assert held == dense["positions"][0]["params"] - experts * 3 // 4
+    assert "tp2 pp1 dp4 ep2 expert_tp2 (8 ranks)" in format_table(laid)
+    assert stage_params_estimate(*compose(both), 0) == held
+    cfg, world = compose([*MOE, "parallel=dp4", "parallel.ep=2", "parallel.zero_stage=3"])
+    m, shard = 1, expert_params_per_layer(cfg) // 2 // 2  # a layer's E / ep experts over dp / ep = 2 ranks
+    edp = step_collectives(cfg, world, 0, 0)["edp"]
+    assert edp == {"reduce_scatter": {"calls": L, "bytes": L * 2 * shard * 4},
+                   "all_gather": {"calls": 2 * m * L, "bytes": 2 * m * L * shard * 4}}

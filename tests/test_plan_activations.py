@@ -91,6 +91,12 @@ MULTI = {
     "llama-tp2-cp2-sp": [*LLAMA, "parallel=tp2", "parallel.cp=2", "parallel.sequence_parallel=true",
                          "trainer.global_batch_size=4"],
     "gpt2-pp2-cp2-1f1b": [*GPT2, "parallel=pp2", "parallel.cp=2", "trainer.global_batch_size=8", *SCHEDULES[1]],
+    # Expert tensor parallelism: each tp rank runs both tp ranks' rows through its slices of the experts (every
+    # rank routes its tokens x k rows, so the rows a rank runs are known); with ep (k = E: every rank receives
+    # as many rows as it sends) the rows come from the ep exchange first.
+    "moe-tp2-etp": [*MOE, *TP2, "parallel.expert_tp=2"],
+    "moe-tp2-ep2-etp-sp-bf16": [*MOE, *TP2, "parallel.ep=2", "parallel.expert_tp=2", "parallel.sequence_parallel=true",
+                                "model.moe_router_topk=4", "trainer.precision=bf16"],
 }
 CASES = {**SINGLE, **MULTI}
 # The planner is asked to be within 10%; it agrees to a few parts in a thousand, so 2% is asserted:
@@ -342,8 +348,9 @@ def test_ring_attention_keeps_what_the_planner_counts(name):
 
 
 # One mixture-of-experts layer, exactly, at every way a rank routes its tokens: on a fake process group whose
-# all-to-alls hand each rank back what it sent (every rank alike: as many rows arrive as leave, the balanced
-# case the planner assumes), with the parallel settings parallelize gives the layer.
+# all-to-alls hand each rank back what it sent and whose all-gathers give every rank's part as this rank's
+# (every rank alike: as many rows arrive as leave, the balanced case the planner assumes), with the parallel
+# settings parallelize gives the layer.
 MOE_LAYER = {
     "ep2": ["parallel=dp2", "parallel.ep=2"],
     "ep4-bf16-dropout": ["parallel=dp4", "parallel.ep=4", "trainer.precision=bf16", "model.dropout=0.1"],
@@ -354,6 +361,12 @@ MOE_LAYER = {
     "tp2-sp-dropout": ["parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
     "cp2-sigmoid": ["parallel.cp=2", "model.moe_router_score_function=sigmoid"],
     "tp2-cp2-sp-gelu": ["parallel=tp2", "parallel.cp=2", "parallel.sequence_parallel=true", "model.activation=gelu"],
+    # Expert tensor parallelism: every tp rank's rows through this rank's slices of the experts.
+    "tp2-etp": ["parallel=tp2", "parallel.expert_tp=2"],
+    "tp2-etp-sp-gelu-bf16": ["parallel=tp2", "parallel.expert_tp=2", "parallel.sequence_parallel=true",
+                             "model.activation=gelu", "trainer.precision=bf16"],
+    "tp2-ep2-etp-sp-dropout": ["parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
+                               "parallel.sequence_parallel=true", "model.dropout=0.1"],
 }
 
 
@@ -362,18 +375,24 @@ def _moe_layer_saved(cfg) -> int:
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megalm.distributed import comm
     from megalm.models.moe import MoE
-    from megalm.parallel.experts import apply_expert_parallel
+    from megalm.parallel.experts import apply_expert_parallel, split_experts
     from megalm.training.precision import autocast
     p, m, t = cfg.parallel, cfg.model, cfg.trainer
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=max(p.ep, p.tp * p.cp))
-    real = dist.all_to_all_single
+    real, real_gather = dist.all_to_all_single, comm._all_gather_single
 
     def mirrored(out, inp, *args, **kwargs):
         work = real(out, inp, *args, **kwargs)
         out.copy_(inp.view_as(out))
         return work
-    dist.all_to_all_single = mirrored
+
+    def gathered(out, inp, *args, **kwargs):  # (expert tp's counts: every tp rank routed as this one did)
+        work = real_gather(out, inp, *args, **kwargs)
+        out.view(-1, inp.numel()).copy_(inp.reshape(1, -1))
+        return work
+    dist.all_to_all_single, comm._all_gather_single = mirrored, gathered
     try:
         torch.manual_seed(0)
         layer = MoE(m).train()
@@ -383,6 +402,8 @@ def _moe_layer_saved(cfg) -> int:
         if p.tp > 1 or p.cp > 1:  # megalm.parallel.experts.split_tokens
             layer.token_group = group
             layer.split_group = group if p.tp > 1 and not p.sequence_parallel else None
+            if p.expert_tp > 1:
+                split_experts(layer, group)
         with torch.no_grad():
             for q in layer.parameters():
                 q.normal_(0.0, 0.5)
@@ -396,7 +417,7 @@ def _moe_layer_saved(cfg) -> int:
         del out
         return kept
     finally:
-        dist.all_to_all_single = real
+        dist.all_to_all_single, comm._all_gather_single = real, real_gather
         dist.destroy_process_group()
 
 
@@ -404,7 +425,8 @@ def _moe_layer_saved(cfg) -> int:
 def test_moe_layer_keeps_what_the_planner_counts(name):
     """`moe_kept_bytes` (router, experts, the output's dropout) and `_moe_input` (the router's input, where
     it is not the layer's input itself: tp's cut shard) are what one MoE layer keeps under expert parallelism
-    (the rows sent out and back), tp with and without sp (each rank routing its shard) and cp."""
+    (the rows sent out and back), tp with and without sp (each rank routing its shard), expert tensor
+    parallelism (the tp ranks' rows through this rank's slices of the experts) and cp."""
     from megalm.plan.formulas import _moe_input, _shape, moe_kept_bytes
     cfg, world = _config([*MOE, "trainer.global_batch_size=16", *MOE_LAYER[name]])
     p, t = cfg.parallel, cfg.trainer

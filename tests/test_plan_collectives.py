@@ -4,10 +4,13 @@ recorded here) equal step_collectives exactly, and the model state measured righ
 step equals exact_model_state_bytes exactly, padding included.
 
 GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's), and
-context parallelism (the ring's sends, gradients and ZeRO shards over dp x cp). One launch of 2 ranks runs
-every 2-rank layout in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with ZeRO-1, then ZeRO-3) and
-tp2_pp2 at cp2; the single processes run here. Each layout runs a step first (the pipeline's shape
-inference, the buckets learning how many accumulations a step makes) and is measured in its second.
+context parallelism (the ring's sends, gradients and ZeRO shards over dp x cp), mixtures of experts (expert
+parallelism, expert tensor parallelism, both, with ZeRO 0-3). One launch of 2 ranks runs every 2-rank layout
+in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with ZeRO-1, then ZeRO-3), tp2_pp2 at cp2, dp4 x ep2
+at cp2, and ep2 with expert tp at tp2_pp2_dp2 (sequence parallel) and tp2 x dp4 (ZeRO-3); the single processes
+run here.
+Each layout runs a step first (the pipeline's shape inference, the buckets learning how many accumulations a
+step makes) and is measured in its second.
 """
 
 from __future__ import annotations
@@ -74,13 +77,28 @@ TWO_RANKS = [
     [*MOE, "parallel.cp=2", "parallel.zero_stage=2"],
     [*MOE, "parallel=dp2", "parallel.zero_stage=3"],
     [*MOE, "parallel=pp2", "parallel.pipeline_schedule=1f1b"],
+    # Expert tensor parallelism: each tp rank's rows to both tp ranks and the partial outputs back (all-to-alls
+    # over tp, replayed by full recomputation), the per-expert counts gathered over tp first, the experts
+    # split over tp (left out of the sum over tp); ZeRO-3 under ep, the experts' buckets sharded and gathered
+    # over their (dp / ep) ranks, here one.
+    [*MOE, "parallel=tp2", "parallel.expert_tp=2", "parallel.recompute=full", "model.dropout=0.1",
+     "parallel.zero_stage=1"],
+    [*MOE, "parallel=tp2", "parallel.expert_tp=2", "parallel.sequence_parallel=true", "trainer.precision=bf16"],
+    [*MOE, "parallel=dp2", "parallel.ep=2", "parallel.zero_stage=3"],
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
                # cp2 with tp2 + sp and a pipeline: every term on the rank's half of each sequence
                ["parallel=tp2_pp2", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                # ep x cp: the experts' buckets over (dp / ep) x cp = 4 ranks (ZeRO-1 shards there)
-               [*MOE, "parallel=dp4", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"]]
+               [*MOE, "parallel=dp4", "parallel.cp=2", "parallel.ep=2", "parallel.zero_stage=1"],
+               # ep x expert tp: the rows of the ep exchange through both tp ranks' slices; the experts' gradient
+               # norm summed over tp, then ep (ZeRO-0), on both stages of a pipeline; ZeRO-3's expert buckets over
+               # dp / ep = 2 ranks
+               [*MOE, "parallel=tp2_pp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
+                "parallel.sequence_parallel=true"],
+               [*MOE, "parallel=tp2", "parallel.dp=4", "parallel.ep=2", "parallel.expert_tp=2",
+                "parallel.zero_stage=3"]]
 
 
 def _compose(overrides):
@@ -143,8 +161,11 @@ def _step_on_this_rank(world, overrides):
         optimizer.step = step_and_measure
         # Collectives issued with torch.distributed itself, outside megalm's comm module (and outside
         # megalm.parallel.experts._AllToAll, which records the rows a MoE layer sends forward and their gradients
-        # backward); an all-to-all counts the tensor a rank sends.
+        # backward), and expert tp's counts gathered with comm's all-gather primitive, outside its recording
+        # functions; an all-to-all counts the tensor a rank sends, an all-gather its input.
+        from megalm.distributed import comm
         direct, saved = {}, {name: getattr(dist, name) for name in ("all_reduce", "broadcast", "all_to_all_single")}
+        saved_gather = comm._all_gather_single
 
         def tracked(frame):
             while frame is not None:
@@ -156,24 +177,25 @@ def _step_on_this_rank(world, overrides):
                 frame = frame.f_back
             return False
 
-        def recording(name):
+        def recording(name, fn):
             def call(tensor, *args, **kwargs):
-                sent = args[0] if name == "all_to_all_single" else tensor
+                sent = args[0] if name in ("all_to_all", "all_gather") else tensor
                 if not tracked(sys._getframe(1)):
-                    entry = direct.setdefault("all_to_all" if name == "all_to_all_single" else name,
-                                              {"calls": 0, "bytes": 0})
+                    entry = direct.setdefault(name, {"calls": 0, "bytes": 0})
                     entry["calls"] += 1
                     entry["bytes"] += sent.numel() * sent.element_size()
-                return saved[name](tensor, *args, **kwargs)
+                return fn(tensor, *args, **kwargs)
             return call
         try:
-            for name in saved:
-                setattr(dist, name, recording(name))
+            for name, fn in saved.items():
+                setattr(dist, name, recording(name.replace("_single", ""), fn))
+            comm._all_gather_single = recording("all_gather", saved_gather)
             with count_comm() as stats:
                 trainer.train_step()
         finally:
             for name, fn in saved.items():
                 setattr(dist, name, fn)
+            comm._all_gather_single = saved_gather
     recorded = {k: {"calls": stats.calls[k], "bytes": stats.bytes[k]} for k in stats.calls}
     return recorded, direct, {k: state[k] for k in ("weights", "grads", "optimizer")}
 
@@ -230,7 +252,8 @@ def test_what_the_layouts_exercise():
     assert seen >= {("tp", "all_reduce"), ("tp", "all_gather"), ("tp", "reduce_scatter"), ("cp", "ring"),
                     ("pp", "send"), ("pp", "recv"), ("dp", "all_reduce"), ("dp", "reduce_scatter"), ("dp", "all_gather"),
                     ("embedding", "all_reduce"), ("other", "all_reduce"), ("other", "broadcast"), ("ep", "all_to_all"),
-                    ("edp", "all_reduce"), ("edp", "reduce_scatter"), ("edp", "all_gather"), ("cp", "all_reduce")}
+                    ("edp", "all_reduce"), ("edp", "reduce_scatter"), ("edp", "all_gather"), ("cp", "all_reduce"),
+                    ("tp", "all_to_all")}
 
 
 def test_what_is_not_modelled_is_refused():

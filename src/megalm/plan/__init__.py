@@ -10,11 +10,13 @@ Reported per position:
   (weights, gradients, Adam's moments, the ZeRO buckets' padding included);
 - activation memory at the rank's peak (the schedule's in-flight micro-batches, sequence parallelism,
   context parallelism's share of each sequence and its ring attention, recomputation; a mixture of
-  experts' router and rows, planned for balanced routing), the logits and loss buffers, and the peak in
-  all against the device's memory;
+  experts' router and rows, planned for balanced routing, under expert tensor parallelism every tp rank's
+  rows through the rank's slices of the experts), the logits and loss buffers, and the peak in all against
+  the device's memory;
 - bytes per collective in a step, by group (tp / sp, the cp ring's sends, pipeline sends, dp buckets
   (over dp x cp under context parallelism), ZeRO-3 gathers, the tied embedding; a mixture of experts'
-  all-to-alls over ep and its experts' buckets over (dp / ep) x cp);
+  all-to-alls over ep, its experts' buckets (and ZeRO-3's gathers of them) over (dp / ep) x cp, and under
+  expert tensor parallelism its rows' all-to-alls over tp, in the tp column);
 and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
 time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
 Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
@@ -141,7 +143,8 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     schedule = p.pipeline_schedule if dims.pp > 1 else None
     v = len(f.stage_layers(cfg, dims.pp)) // dims.pp
     out = {"model": cfg.model.name, "cluster": cfg.cluster.name,
-           "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": p.ep, "world": world,
+           "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": p.ep,
+                      "expert_tp": p.expert_tp if dims.tp > 1 else 1, "world": world,
                       "zero_stage": p.zero_stage, "sequence_parallel": p.sequence_parallel,
                       "schedule": schedule, "virtual_stages": v, "recompute": p.recompute,
                       "precision": t.precision, "micro_batch_size": t.micro_batch_size, "micro_batches": m},
@@ -207,13 +210,15 @@ _PARTS: Dict[tuple, Tuple[int, int, int, int]] = {}
 
 def _parts(cfg, tp: int) -> Tuple[int, int, int, int]:
     """(first stage's own, each layer's, last stage's own, counted twice when one rank holds both ends)
-    parameters of tp rank 0 at tensor-parallel degree tp, from three meta-device layouts: pp2 with every
-    layer on the last stage, pp2 with every layer on the first, and pp1 (where a tied weight is one)."""
-    key = (repr(cfg.model), tp)
+    parameters of tp rank 0 at tensor-parallel degree tp (experts split over it too under parallel.expert_tp),
+    from three meta-device layouts: pp2 with every layer on the last stage, pp2 with every layer on the first,
+    and pp1 (where a tied weight is one)."""
+    expert_tp = tp if cfg.parallel.expert_tp > 1 else 1  # the experts split over tp, or whole
+    key = (repr(cfg.model), tp, expert_tp)
     if key not in _PARTS:
         L = cfg.model.num_layers
-        base = dict(tp=tp, dp=1, cp=1, ep=1, sequence_parallel=tp > 1, pipeline_schedule="1f1b", virtual_pipeline_size=1,
-                    zero_stage=0, recompute="none", recompute_num_layers=None)
+        base = dict(tp=tp, dp=1, cp=1, ep=1, expert_tp=expert_tp, sequence_parallel=tp > 1, pipeline_schedule="1f1b",
+                    virtual_pipeline_size=1, zero_stage=0, recompute="none", recompute_num_layers=None)
         two = lambda split: _with(cfg, pp=2, layers_per_stage=split, micro_batch_size=1, **base)  # noqa: E731
         first = rank_params(two([0, L]), 2 * tp, 0)
         first_and_layers_last = rank_params(two([0, L]), 2 * tp, tp)
@@ -239,7 +244,8 @@ def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
     layers = f.stage_layers(cfg, dims.pp)
     owner = f.stage_owner(cfg.parallel.pipeline_schedule, dims.pp, len(layers)) if dims.pp > 1 else [0] * len(layers)
     mine = [s for s in range(len(layers)) if owner[s] == pp_rank]
-    per_layer -= expert_params_per_layer(cfg) * (cfg.parallel.ep - 1) // cfg.parallel.ep  # E / ep experts here
+    experts = expert_params_per_layer(cfg) // (dims.tp if cfg.parallel.expert_tp > 1 else 1)  # (tp slices)
+    per_layer -= experts * (cfg.parallel.ep - 1) // cfg.parallel.ep  # E / ep experts here
     n = sum(layers[s] for s in mine) * per_layer
     n += first if 0 in mine else 0
     n += last if len(layers) - 1 in mine else 0
@@ -261,7 +267,9 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
     cp = cfg.parallel.cp
     name = f"tp{tp} pp{pp} dp{dp}" + (f" cp{cp}" if cp > 1 else "") + (f" {schedule} v{v}" if pp > 1 else "") \
         + f" mbs{mbs}"
-    layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule,
+    # parallel.expert_tp > 1 asks for the experts split over whatever tp a candidate has
+    expert_tp = tp if cfg.parallel.expert_tp > 1 else 1
+    layout = dict(tp=tp, pp=pp, dp=dp, sequence_parallel=tp > 1, pipeline_schedule=schedule, expert_tp=expert_tp,
                   virtual_pipeline_size=v, layers_per_stage=None, recompute_num_layers=None, micro_batch_size=mbs)
     try:
         validate(_with(cfg, zero_stage=0, recompute="none", **layout), gpus)
@@ -289,7 +297,8 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
             reasons.append(f"recompute={recompute}, ZeRO-{zero}: {e}")
             continue
         if best is None or est["step_seconds"] < best["step_seconds"]:
-            best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "schedule": schedule if pp > 1 else None,
+            best = {"layout": name, "tp": tp, "pp": pp, "dp": dp, "cp": cp, "expert_tp": expert_tp,
+                    "schedule": schedule if pp > 1 else None,
                     "virtual_stages": v if pp > 1 else 1, "micro_batch_size": mbs, "recompute": recompute,
                     "zero_stage": zero, "sequence_parallel": tp > 1, "peak_bytes": peak,
                     "step_seconds": est["step_seconds"], "tokens_per_second": est["tokens_per_second"],
@@ -307,7 +316,8 @@ def _best_options(cfg, gpus: int, group: List[tuple]) -> List[Tuple[str, Optiona
 def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     """Rank the layouts of `gpus` devices by estimated step time; say why the others were dropped.
 
-    Every (tp, pp, schedule, virtual stages, micro-batch) of `candidates` (at the config's parallel.cp) is
+    Every (tp, pp, schedule, virtual stages, micro-batch) of `candidates` (at the config's parallel.cp and ep;
+    with parallel.expert_tp > 1, the experts split over each candidate's tp) is
     tried with each recomputation (none, selective, full) and ZeRO stage (0-3); the options whose peak fits
     the device are estimated and the fastest is kept. A layout the run itself would refuse is dropped with
     its error, one where no option fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
@@ -366,7 +376,8 @@ def _unit(values) -> Tuple[float, str]:
 def format_table(result: Dict[str, Any]) -> str:
     lay, est = result["layout"], result["estimate"]
     sched = f", {lay['schedule']} x{lay['virtual_stages']}" if lay["schedule"] else ""
-    cp = (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + (f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else "")
+    cp = (f" cp{lay['cp']}" if lay["cp"] > 1 else "") + (f" ep{lay['ep']}" if lay.get("ep", 1) > 1 else "") \
+        + (f" expert_tp{lay['expert_tp']}" if lay.get("expert_tp", 1) > 1 else "")
     head = [f"{result['model']} at tp{lay['tp']} pp{lay['pp']} dp{lay['dp']}{cp} ({lay['world']} ranks{sched}), "
             f"{lay['precision']}, ZeRO-{lay['zero_stage']}, sp {'on' if lay['sequence_parallel'] else 'off'}, "
             f"recompute {lay['recompute']}, {lay['micro_batches']} micro-batches of {lay['micro_batch_size']}",
@@ -404,6 +415,8 @@ def format_table(result: Dict[str, Any]) -> str:
     cp_note = "; cp: the ring's sends, dp: over dp x cp" if lay["cp"] > 1 else ""
     if lay.get("ep", 1) > 1:
         cp_note += "; ep: the experts' all-to-alls (what a rank sends), edp: the experts' buckets over (dp / ep) x cp"
+    if lay.get("expert_tp", 1) > 1:
+        cp_note += "; tp: with the experts' all-to-alls among the tp ranks (expert tp)"
     lines.append("communication: bytes each rank sends in a step (all-reduce: the tensor; all-gather: its input; "
                  f"reduce-scatter: the full input{cp_note})")
     if "missing" in est:

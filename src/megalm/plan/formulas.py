@@ -16,7 +16,12 @@ shards over dp x cp. So does a mixture of experts (model.num_experts > 0, megalm
 experts a token and the router; what its router and experts keep (`moe_kept_bytes`), planned for balanced
 routing (`moe_rows`: dropless, tokens x k rows; under expert parallelism every rank receiving as many rows
 as it sends); each tp rank routing its own tokens; expert parallelism's all-to-alls (`expert_parallel`),
-waited on in the step time; the experts' buckets over the (dp / ep) x cp ranks holding them (`expert_data_parallel`).
+waited on in the step time; the experts' buckets over the (dp / ep) x cp ranks holding them (`expert_data_parallel`),
+ZeRO-3's gathers of them there too. Under expert tensor parallelism (parallel.expert_tp) each expert is split
+over tp and every tp rank runs all tp ranks' rows through its slices: tp x the rows' fc1 inputs and grouping
+indices kept (`moe_kept_bytes`), the rows' all-to-alls over tp, forward and backward (`expert_tensor_parallel`),
+and the counts' gather (`untracked_collectives`), both under "tp" and waited on like tp's collectives, the
+experts' tp slices in the gradient norm (`other`).
 
 Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
 tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
@@ -385,6 +390,9 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
       attention kernel would keep on chip, are not counted, as SDPA's internals are not);
     - gradient accumulation: each micro-batch after a step's first adds its weight gradients into the
       accumulated ones (GRAD_ACCUMULATION_BYTES a parameter), spread here over the m micro-batches.
+    A mixture's experts count as they run without expert tensor parallelism: with it a rank runs tp x the rows
+    through 1/tp of the width (the same FLOPs, and bytes for the width part); the copies its exchange makes of
+    the gathered rows (tp x the rows, h fp32) are not counted.
     """
     c, p = count_traffic(cfg), cfg.parallel
     sp = p.sequence_parallel and tp > 1
@@ -439,7 +447,8 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
 # - packed sequences (data.packing: a mask per example, position ids) are not modeled;
 # - a mixture of experts (`moe_kept_bytes`) keeps per routed (token, expert) row what a dense MLP keeps per
 #   token, in fp32 (its grouped matmuls have no autocast rule), plus its routing's indices; the rows a rank
-#   runs depend on the router, and are planned for the balanced case (`moe_rows`).
+#   runs depend on the router, and are planned for the balanced case (`moe_rows`); under expert tensor
+#   parallelism a rank runs the rows of all tp ranks through its 1/tp slices of the experts.
 #
 # Context parallelism (parallel.cp, megalm.parallel.context) gives each rank s = seq_length / cp tokens of
 # every sequence, so every per-token term counts those; the attention core is the ring's
@@ -513,6 +522,7 @@ class _Shape:
     capacity: Optional[float] = None  # moe_capacity_factor (None: dropless)
     ep: int = 1               # expert-parallel ranks: a rank holds experts / ep of a layer
     relu: bool = False
+    expert_tp: int = 1        # expert tensor parallelism (parallel.expert_tp): each expert split over tp
 
     @property
     def seq(self) -> int:
@@ -558,7 +568,8 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   experts=getattr(m, "num_experts", 0), topk=getattr(m, "moe_router_topk", 0),
                   sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
                   aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
-                  capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu")
+                  capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
+                  expert_tp=p.expert_tp if dims.tp > 1 else 1)
 
 
 def _norm(d: _Shape) -> float:
@@ -734,10 +745,11 @@ def _moe_input(d: _Shape) -> float:
 
 def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     """What a mixture-of-experts layer (megalm.models.moe.MoE._forward, route, Experts; under expert
-    parallelism megalm.parallel.experts.dispatch) saves for backward besides its input, for one micro-batch
-    on one rank, by part. N tokens routed by the rank (`_moe_tokens`), R = `moe_rows` assignments (the
-    balanced case), E experts (E / ep on the rank), k a token, f the ffn width; the rows are fp32 (the
-    norm's output; grouped_mm has no autocast rule, so the experts run in fp32 under bf16 / fp16 too).
+    parallelism megalm.parallel.experts.dispatch, under expert tensor parallelism run_experts) saves for
+    backward besides its input, for one micro-batch on one rank, by part. N tokens routed by the rank
+    (`_moe_tokens`), R = `moe_rows` assignments (the balanced case), E experts (E / ep on the rank), k a
+    token, f the ffn width; the rows are fp32 (the norm's output; grouped_mm has no autocast rule, so the
+    experts run in fp32 under bf16 / fp16 too).
 
     router: in fp32 (autocast off), at every precision. Kept: top-k's int64 indices (N k); softmax scoring the
     softmax of the top k (N k); sigmoid scoring the scores (N E) and, for k > 1, the top k and their sum
@@ -751,6 +763,12 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     sent to their experts' ranks: the receiver keeps its arrival-to-expert order and its inverse (R int64
     each) and the experts' tensors for the R rows it receives (balanced: as many as it sends); the rows
     come back as a new tensor (R h), which the weighting keeps in place of fc2's output.
+    Under expert tensor parallelism (T = parallel.expert_tp = tp) each tp rank runs the rows of all T tp
+    ranks (after the ep exchange, if any) through its 1/T slices of the experts: fc1's input is T R rows
+    (T R h), the activation's tensors T R rows of width / T (as many bytes as R rows of the whole width),
+    and the gathered rows' grouping by expert keeps its order and inverse (T R int64 each); fc2's output is
+    not kept (the all-to-all returning each rank its rows' partial sums takes it), and the sum of the
+    partials (R h) is what the weighting keeps, or under ep what goes back (the new tensor above).
     dropout: with model.dropout, the MoE output's mask (N h, fp32 noise on CPU, a bool on CUDA)."""
     N, E, k, h, f = _moe_tokens(d), d.experts, d.topk, d.h, d.f
     R = moe_rows(N, E, k, d.capacity)
@@ -764,9 +782,14 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     if d.z:
         router += (N * E + N) * FP32
     width = 4 * f if d.swiglu else (f if d.relu else 2 * f)
-    experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + R * (2 * h + width + 1) * FP32 + R * h * FP32
-    if d.ep > 1:
+    T = d.expert_tp
+    # the order and each row's token, the offsets; fc1's input rows, the activation, the weighting's input
+    # (fc2's output, or the rows back), the gathered weights; the weighted rows
+    experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + (T * R * h + R * (width + h + 1)) * FP32 + R * h * FP32
+    if d.ep > 1:  # the received rows grouped by expert and back
         experts += 2 * R * INT64
+    if T > 1:  # the tp ranks' rows grouped by expert and back
+        experts += 2 * T * R * INT64
     dropout = N * h * d.mask(FP32) if d.dropout > 0 else 0.0
     return {"router": router, "experts": experts, "dropout": dropout}
 
@@ -1051,8 +1074,8 @@ class RankLayout:
     params: int                        # elements this rank's model holds (a tied weight once)
     param_bytes: int
     buckets: Tuple[Tuple[int, int], ...] = ()  # (elements padded to a multiple of dp x cp, elements / (dp x cp))
-    zero3_unit_buckets: Tuple[int, ...] = ()   # ZeRO-3: per unit, the shard elements of its buckets
-    zero3_unit_calls: int = 0                  # ZeRO-3: the buckets of every unit (a shared one per unit)
+    zero3_unit_buckets: Tuple[int, ...] = ()   # ZeRO-3: per unit, the shard elements of its buckets (not the
+    zero3_unit_calls: int = 0                  # experts'); the buckets of every unit (a shared one per unit)
     owned: int = 0                     # elements of this rank's ZeRO shards of real parameters
     sp_elements: int = 0               # gradient elements summed over tp (sequence-parallel tags)
     tied_elements: int = 0             # gradient elements summed over the embedding group
@@ -1061,6 +1084,9 @@ class RankLayout:
     ep: int = 1                        # expert-parallel ranks (parallel.ep): E / ep experts a MoE layer here
     expert_buckets: Tuple[Tuple[int, int], ...] = ()  # experts' buckets over the (dp / ep) x cp ranks holding
                                                        # them: (elements padded to a multiple of that, / that)
+    zero3_expert_unit_buckets: Tuple[int, ...] = ()  # ZeRO-3 under ep: per unit, the shard elements of its experts'
+    zero3_expert_unit_calls: int = 0                 # buckets, and how many (gathered over (dp / ep) x cp)
+    expert_tp: int = 1                 # tp ranks each expert is split over (parallel.expert_tp; 1: whole)
 
     @property
     def replicas(self) -> int:
@@ -1141,6 +1167,7 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
         owner = tuple(next(r for r in range(dims.pp) if s in virtual_stages_of(r, dims.pp, v, p.pipeline_schedule))
                       for s in range(layout.num_stages)) if dims.pp > 1 else (0,)
         fields = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, cp=dims.cp, ep=p.ep,
+                      expert_tp=p.expert_tp if dims.tp > 1 else 1,
                       pp_rank=rank // (dims.dp * dims.cp * dims.tp),
                       stage_layers=tuple(len(layout.stage_ranges[s]) for s in layout.stage_ids),
                       stage_ids=tuple(layout.stage_ids), owner=owner, params=sum(q.numel() for q in params),
@@ -1162,9 +1189,12 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
             sp_elements=sum(n for t, n, _ in grads if getattr(t, "sequence_parallel", False)),
             tied_elements=sum(n for _, n, is_tied in grads if is_tied),
             embedding_group=layout.embedding_group is not None)
-        if p.zero_stage == 3:
-            fields["zero3_unit_buckets"] = tuple(sum(b.shard_size for b in dp.unit_buckets[u]) for u in dp.units)
-            fields["zero3_unit_calls"] = sum(len(dp.unit_buckets[u]) for u in dp.units)
+        if p.zero_stage == 3:  # each unit's buckets, the experts' (over their own group) apart
+            is_experts = {id(b): e for b, e in zip(dp.buckets, experts)}
+            for key, want in (("zero3_unit", False), ("zero3_expert_unit", True)):
+                per_unit = [[b for b in dp.unit_buckets[u] if is_experts[id(b)] == want] for u in dp.units]
+                fields[f"{key}_buckets"] = tuple(sum(b.shard_size for b in bs) for bs in per_unit)
+                fields[f"{key}_calls"] = sum(len(bs) for bs in per_unit)
         return RankLayout(**fields)
     finally:
         if world > 1:
@@ -1242,8 +1272,10 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     (gather_seq_replicated: forward; backward keeps the rank's chunk). Full recomputation's replay stops
     before that gather (the layer's last saving op comes first), so only the attention's f and g replay.
     The router's and experts' gradients are partial on every tp rank (tagged sequence_parallel): they join
-    the once-a-step sum over tp, with sp or without. The routing counts' all-reduce over the token group is
-    issued through torch.distributed directly (`untracked_collectives`).
+    the once-a-step sum over tp, with sp or without; under expert tensor parallelism the experts are split
+    over tp instead (their slices' gradients are whole: only the router joins the sum), and their rows'
+    all-to-alls over tp (`expert_tensor_parallel`) count under "tp" too. The routing counts' all-reduce over
+    the token group is issued through torch.distributed directly (`untracked_collectives`).
     """
     kinds: Kinds = {}
     if lay.tp == 1:
@@ -1364,7 +1396,7 @@ def data_parallel(cfg, lay: RankLayout) -> Kinds:
     optimizer step. Stage 3 (sec. 5.3) instead gathers parameters when they are used: every micro-
     batch, each unit's buckets in its forward (a bucket two units share, the tied embedding, once for
     each) and every bucket once in backward. A run of one replica (dp x cp = 1) has no buckets and
-    communicates nothing here."""
+    communicates nothing here. Under expert parallelism the experts' buckets are `expert_data_parallel`'s."""
     kinds: Kinds = {}
     if not lay.buckets:
         return kinds
@@ -1385,23 +1417,32 @@ def expert_data_parallel(cfg, lay: RankLayout) -> Kinds:
     """The experts' buckets under expert parallelism (parallel.ep > 1; megalm.parallel.data): gradients of the
     experts a rank holds (tagged ep_shard) are bucketed apart and reduced over the expert-data-parallel group,
     the (dp / ep) x cp ranks holding the same experts (megalm.parallel.experts.expert_groups), each bucket padded
-    to a multiple of that size: an all-reduce (ZeRO-0) or a reduce-scatter (ZeRO-1/2) of the whole bucket, fp32, and
-    ZeRO-1/2's all-gather of each bucket's updated shard after the optimizer step. A group of one rank
-    (dp = ep) still issues them. Without expert parallelism experts are ordinary parameters in the dp buckets."""
+    to a multiple of that size: an all-reduce (ZeRO-0) or a reduce-scatter (ZeRO-1/2/3) of the whole bucket, fp32,
+    and ZeRO-1/2's all-gather of each bucket's updated shard after the optimizer step. ZeRO-3 (megalm.parallel.zero3)
+    keeps the experts in buckets of their own in each layer's unit, sharded over that group, and gathers them
+    over it as `data_parallel` gathers the rest: every micro-batch, in the layer's forward and again in its
+    backward. A group of one rank (dp = ep) still issues them. Without expert parallelism experts are ordinary
+    parameters in the dp buckets (under expert tensor parallelism, their tp slices)."""
     kinds: Kinds = {}
     if not lay.expert_buckets:
         return kinds
     z, n = cfg.parallel.zero_stage, len(lay.expert_buckets)
+    shards = sum(c for _, c in lay.expert_buckets) * FP32
     _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, sum(b for b, _ in lay.expert_buckets) * FP32)
     if z in (1, 2):
-        _add(kinds, "all_gather", n, sum(c for _, c in lay.expert_buckets) * FP32)
+        _add(kinds, "all_gather", n, shards)
+    elif z == 3:
+        m = microbatches(cfg, lay.dp)
+        _add(kinds, "all_gather", m * (lay.zero3_expert_unit_calls + n),
+             m * (sum(lay.zero3_expert_unit_buckets) * FP32 + shards))
     return kinds
 
 
 def moe_row_bytes(cfg, tp: int) -> int:
     """Bytes of one all-to-all of a MoE layer's rows under expert parallelism, for one micro-batch: the `moe_rows`
     (token, expert) rows of the rank's routed tokens (b x s / tp), h fp32 each (the norm's output; the experts'
-    output back). Balanced routing: what a rank sends out equals what it receives and sends back."""
+    output back). Balanced routing: what a rank sends out equals what it receives and sends back. Expert tensor
+    parallelism's all-to-alls send tp times this (`expert_tensor_parallel`)."""
     m, t = cfg.model, cfg.trainer
     tokens = t.micro_batch_size * local_tokens(cfg) // tp
     return moe_rows(tokens, m.num_experts, m.moe_router_topk, m.moe_capacity_factor) * m.hidden_size * FP32
@@ -1429,6 +1470,22 @@ def expert_parallel(cfg, lay: RankLayout) -> Kinds:
     return kinds
 
 
+def expert_tensor_parallel(cfg, lay: RankLayout) -> Kinds:
+    """The all-to-alls of expert tensor parallelism (parallel.expert_tp = tp > 1; megalm.parallel.experts
+    .run_experts, kind "all_to_all" over the tp group, bytes: what the rank sends), counted under "tp": in each
+    MoE forward (and its replay under full recomputation) a rank sends its rows to every tp rank (tp copies of
+    the R = `moe_rows` rows of its tokens, or under ep of the rows it received, as many when balanced) and
+    sends each tp rank its rows' partial outputs back (the tp x R rows it ran, h fp32); backward, the two
+    gradients go back the same ways; each tp x `moe_row_bytes`. The per-expert counts gathered over tp first
+    go through torch.distributed directly (`untracked_collectives`)."""
+    kinds: Kinds = {}
+    if lay.expert_tp == 1 or not getattr(cfg.model, "num_experts", 0):
+        return kinds
+    calls = 2 * _moe_passes(cfg, lay) + 2 * microbatches(cfg, lay.dp) * sum(lay.stage_layers)
+    _add(kinds, "all_to_all", calls, calls * lay.expert_tp * moe_row_bytes(cfg, lay.tp))
+    return kinds
+
+
 def embedding(cfg, lay: RankLayout) -> Kinds:
     """The tied embedding's gradient summed between the first stage's embedding and the last stage's
     head copy (Megatron's embedding group; Narayanan et al., arXiv:2104.04473): one all-reduce a step of
@@ -1448,7 +1505,8 @@ def model_metrics(cfg) -> int:
 
 def _untracked(cfg, lay: RankLayout) -> Collectives:
     """`untracked_collectives` by purpose: "other", BERT's accuracy over tp under "tp", a mixture's routing
-    counts over its token group under "tp" (or "cp" without tp) and the all-to-all of its counts under "ep"."""
+    counts over its token group under "tp" (or "cp" without tp), the all-to-all of its counts under "ep" and,
+    under expert tensor parallelism, the all-gather of its per-expert counts under "tp"."""
     k = model_metrics(cfg)
     out: Collectives = {"tp": {}, "cp": {}, "ep": {}, "other": {}}
     experts = getattr(cfg.model, "num_experts", 0)
@@ -1458,6 +1516,8 @@ def _untracked(cfg, lay: RankLayout) -> Collectives:
             _add(out["tp" if lay.tp > 1 else "cp"], "all_reduce", passes, passes * experts * FP32)
         if lay.ep > 1:  # the counts before the rows
             _add(out["ep"], "all_to_all", passes, passes * experts * INT64)
+        if lay.expert_tp > 1:  # the counts of the rank's (E / ep) experts, gathered over tp before the rows
+            _add(out["tp"], "all_gather", passes, passes * experts // lay.ep * INT64)
         # the step's routing report (trainer._moe_report): float64 sums (4 + E) and the largest load, over
         # pp, tp, cp and dp, each group of more than one rank
         for size in (lay.pp, lay.tp, lay.cp, lay.dp):
@@ -1487,12 +1547,13 @@ def untracked_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: 
     (VocabParallelLMLoss.correct: the largest logit's max and the label's logit summed over tp, (b, s)
     fp32 each, a micro-batch). A mixture of experts adds, each MoE layer's forward (and its replay under full
     recomputation): the routing counts (E fp32) summed over the ranks sharing the micro-batch's tokens (tp
-    and / or cp: megalm.models.moe's token_group), and under expert parallelism the counts' all-to-all (E int64;
-    bytes are what a rank sends, as for the rows) and each micro-batch's two backward all-to-alls of the rows
-    (`moe_row_bytes`); and once a step the trainer's routing report, two float64 all-reduces (4 + E values, and
-    the largest load) over each of pp, tp, cp and dp that has more than one rank. In step_collectives they
-    count under "tp" (the accuracy; the counts under tp), "cp" (the counts under cp alone), "ep" (the
-    all-to-alls) and "other" (the rest)."""
+    and / or cp: megalm.models.moe's token_group), under expert parallelism the counts' all-to-all (E int64;
+    bytes are what a rank sends, as for the rows), under expert tensor parallelism the counts of the rank's
+    E / ep experts all-gathered over tp (megalm.parallel.experts.run_experts: E / ep int64, the input); and once
+    a step the trainer's routing report, two float64 all-reduces (4 + E values, and the largest load) over each
+    of pp, tp, cp and dp that has more than one rank. In step_collectives they count under "tp" (the accuracy;
+    the counts under tp; expert tp's gather), "cp" (the counts under cp alone), "ep" (the counts' all-to-all)
+    and "other" (the rest)."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     kinds: Kinds = {}
     for entries in _untracked(cfg, lay).values():
@@ -1506,7 +1567,8 @@ def other(cfg, lay: RankLayout) -> Kinds:
     summed over tp (one fp32), the stages' totals over pp (one fp32), and under ZeRO the shards'
     two partial sums over their replicas, dp x cp (two fp32), each only over a group of more than one
     rank; under expert parallelism without ZeRO the experts' own sum over ep (one fp32; as ZeRO shards they
-    join the replicas' sum)."""
+    join the replicas' sum), and before it, under expert tensor parallelism, the sum of their tp slices' squares
+    over tp (one fp32). Expert tp without ep leaves the slices with the other tp shards."""
     kinds: Kinds = {}
     if lay.tp > 1:
         _add(kinds, "all_reduce", 1, FP32)
@@ -1516,6 +1578,8 @@ def other(cfg, lay: RankLayout) -> Kinds:
         _add(kinds, "all_reduce", 1, 2 * FP32)
     if lay.ep > 1 and cfg.parallel.zero_stage == 0 and sum(lay.stage_layers):
         _add(kinds, "all_reduce", 1, FP32)  # the experts' squared sum over ep (each rank holds E / ep of them)
+        if lay.expert_tp > 1:
+            _add(kinds, "all_reduce", 1, FP32)  # first, their tp slices' sum over tp
     return kinds
 
 
@@ -1524,13 +1588,16 @@ def step_collectives(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int =
     """The collectives one optimizer step (all its micro-batches) issues on the rank at (pp_rank,
     dp_rank, cp_rank, tp_rank), by purpose: {"tp", "cp", "ep", "pp", "dp", "edp", "embedding", "other"} ->
     {kind: {"calls", "bytes"}}, kinds all_reduce, all_gather, reduce_scatter, send, recv, broadcast, the cp
-    ring's sends, ring, and expert parallelism's all_to_all (ep: the rows; edp: the experts' buckets). dp_rank and cp_rank matter only for ZeRO's padding, which the last replica's shard
-    holds (replica dp_rank x cp + cp_rank). `cfg` is the composed Config (megalm.plan.compose); "other"
-    includes `untracked_collectives`."""
+    ring's sends, ring, and a mixture's all_to_all (ep: the rows to and from the experts' ranks; tp: expert
+    tensor parallelism's rows among the tp ranks; edp: the experts' buckets). dp_rank and cp_rank matter only
+    for ZeRO's padding, which the last replica's shard holds (replica dp_rank x cp + cp_rank). `cfg` is the
+    composed Config (megalm.plan.compose); "other" includes `untracked_collectives`."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
     out = {"tp": tensor_parallel(cfg, lay), "cp": context_parallel(cfg, lay), "ep": expert_parallel(cfg, lay),
            "pp": pipeline(cfg, lay), "dp": data_parallel(cfg, lay), "edp": expert_data_parallel(cfg, lay),
            "embedding": embedding(cfg, lay), "other": other(cfg, lay)}
+    for kind, e in expert_tensor_parallel(cfg, lay).items():
+        _add(out["tp"], kind, e["calls"], e["bytes"])
     for purpose, entries in _untracked(cfg, lay).items():
         for kind, e in entries.items():
             _add(out[purpose], kind, e["calls"], e["bytes"])
@@ -1573,7 +1640,8 @@ def exact_model_state_bytes(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank
     sec. 5): with gradient buckets the gradients are the buckets' buffers, padding included: whole
     (ZeRO 0, 1) or this rank's 1/replicas chunk (ZeRO 2, 3; replicas = dp, or dp x cp under context
     parallelism); ZeRO 1-3 keep optimizer state for this rank's shards of real parameters only (no
-    padding); ZeRO-3 keeps the weights' 1/replicas chunks, padding included. A single process, or a run
+    padding); ZeRO-3 keeps the weights' 1/replicas chunks, padding included (under expert parallelism the
+    experts' buckets are chunked over their (dp / ep) x cp ranks instead). A single process, or a run
     without buckets (one replica, ZeRO 0), holds one gradient per parameter; ZeRO needs more than one
     rank (a single process runs unsharded)."""
     lay = rank_layout(cfg, world, pp_rank, tp_rank, dp_rank, cp_rank)
@@ -1965,7 +2033,9 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       issue them between dependent matmuls, nothing to overlap them with), and likewise of a mixture of
       experts' all-to-alls over the ep group (each `collective_seconds` over the group's link: the counts,
       the rows out and back, forward and backward, and their replay under full recomputation; dispatch
-      waits on each) and its routing counts over the token group; and its bytes outside the
+      waits on each), under expert tensor parallelism its all-to-alls and counts' gather over tp (with tp's
+      collectives: run_experts waits on each) and its routing counts over the token group; and its bytes
+      outside the
       matmuls (`stage_traffic`: norms, activations, copies, the loss on the last stage...) over
       cluster.memory_bandwidth;
     - activations cross pipeline ranks as point-to-point sends (`boundary_messages`: forward the
@@ -1981,8 +2051,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       bucket (over the replicas: dp, or dp x cp; under expert parallelism the experts' buckets over their
       (dp / ep) x cp ranks too, after the others); ZeRO-1/2's parameter all-gather after the update and the
       tied-embedding sum are exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
-      latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers are prefetched and show only
-      beyond the rank's compute;
+      latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers (the experts' over their
+      (dp / ep) x cp ranks under expert parallelism) are prefetched and show only beyond the rank's compute;
     - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
       `updated_params` per pipeline rank).
     The step ends when the slowest pipeline rank has done all of it.
@@ -2021,7 +2091,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     flops_of_rank = {r: m * sum(work[s].forward + work[s].backward for s in range(S) if owner[s] == r)
                      for r in range(dims.pp)}
 
-    def waited_on(r: int) -> float:  # tp's collectives, a mixture's all-to-alls and its counts over cp
+    def waited_on(r: int) -> float:  # tp's collectives (expert tp's among them), a mixture's all-to-alls and
+        # its counts over cp
         cp_kinds = {k: v for k, v in comm[r].get("cp", {}).items() if k != "ring"}
         return seconds_of("tp", r) + seconds_of("ep", r) + (seconds_of("cp", r, cp_kinds) if cp_kinds else 0.0)
     tp_share = {r: waited_on(r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
