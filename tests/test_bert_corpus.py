@@ -189,7 +189,7 @@ def test_bert_trains_on_the_stdlib_prose(tmp_path):
             "data.tokenizer.vocab_size=1000", f"data.cache_dir={tmp_path / 'cache'}", "trainer.max_steps=40",
             "trainer.micro_batch_size=8", "trainer.global_batch_size=8", "trainer.eval_interval=0",
             "trainer.eval_steps=2", "trainer.log_interval=1", "trainer.progress_bar=false", "optimizer.lr=3e-3",
-            "optimizer.warmup_steps=2", "cluster.peak_flops=1e12", "checkpoint.save=false"]
+            "optimizer.warmup_steps=2", "cluster.peak_flops=1e12", "checkpoint.save=false", "trainer.num_threads=1"]
     cfg = load(*over)
     validate(cfg, 1)
     run(cfg, tmp_path / "run", 1)
