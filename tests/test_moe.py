@@ -249,6 +249,24 @@ def test_expert_parallel_ranks_hold_their_share_of_the_experts_and_exchange_toke
         assert sent > 0
 
 
+def _inference_logits(rank, world, overrides):
+    cfg = load(*BASE, *overrides)
+    _, model, _ = parallel_model(cfg, world)
+    tokens = torch.randint(0, cfg.model.vocab_size, (2, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+@pytest.mark.parametrize("overrides", [["parallel=tp2"], ["parallel=tp2", "parallel.expert_tp=2"]])
+def test_a_mixture_at_tp_infers_a_prompt_that_tp_does_not_divide(overrides):
+    """Generation and evaluation run prompts of any length (and decode one token at a time): at tp2 without
+    SP, 5 tokens a row still give the single process's logits (each rank's vocabulary shard)."""
+    cfg = load(*BASE)
+    want = _inference_logits(0, 1, [])  # one process
+    got = torch.cat(run_ranks(2, _inference_logits, overrides), dim=-1)
+    torch.testing.assert_close(got[..., :cfg.model.vocab_size], want[..., :cfg.model.vocab_size], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("override,message", [
     ("model.moe_router_topk=5", r"model.moe_router_topk=5 must be in 1..model.num_experts=4"),
     ("model.moe_router_score_function=relu", r"'relu' is not one of softmax, sigmoid"),

@@ -144,10 +144,17 @@ class MoE(nn.Module):
         return weights, experts, probs, logits
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.split_group is not None:  # each tp rank routes its shard of the (replicated) sequence
-            from megalm.distributed.comm import gather_seq_replicated, scatter_seq
-            return gather_seq_replicated(self._forward(scatter_seq(x, self.split_group)), self.split_group)
-        return self._forward(x)
+        if self.split_group is None:
+            return self._forward(x)
+        # Each tp rank routes its shard of the (replicated) sequence. Training's sequences divide evenly
+        # (validated); a prompt, or one decoded token, is made up to a multiple of tp with zero rows, cut off after.
+        from megalm.distributed.comm import gather_seq_replicated, scatter_seq
+        T = x.shape[1]
+        pad = -T % torch.distributed.get_world_size(self.split_group)
+        if pad:
+            x = F.pad(x, (0, 0, 0, pad))
+        out = gather_seq_replicated(self._forward(scatter_seq(x, self.split_group)), self.split_group)
+        return out[:, :T] if pad else out
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, h = x.shape
