@@ -115,8 +115,8 @@ def split_experts(module: nn.Module, group) -> None:
 
 class _AllToAll(torch.autograd.Function):
     """Rows to and from the ranks of `group`; backward sends the rows' gradients back the way they came.
-    (Written here: torch.distributed.nn's autograd all-to-all is deprecated, and the functional
-    collectives' one runs outside the process group's own all_to_all_single, which count_comm tracks.)"""
+    (Written here: torch.distributed.nn's autograd all-to-all is deprecated, and the functional collectives'
+    replacement bypasses torch.distributed.all_to_all_single, where tests count the collectives a step makes.)"""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:

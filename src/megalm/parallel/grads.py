@@ -96,8 +96,8 @@ def grad_norm_sq(params: Iterable[nn.Parameter], tp_group=None, pp_group=None, d
     if experts or experts_tp:
         total_experts = sq(experts).to(total.device)
         if experts_tp:
-            split = sq(experts_tp).to(total.device)
-            total_experts = total_experts + (all_reduce_sum(split, tp_group) if tp_group is not None else split)
+            slices = sq(experts_tp).to(total.device)
+            total_experts = total_experts + (all_reduce_sum(slices, tp_group) if tp_group is not None else slices)
         if ep_group is not None:
             all_reduce_sum(total_experts, ep_group)
         total = total + total_experts

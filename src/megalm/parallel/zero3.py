@@ -2,9 +2,9 @@
 
 ZeRO stage 3 (arXiv:1910.02054, sec. 5.3) on top of the buckets of `megalm.parallel.data`: every
 unit of the model (the family's first-stage modules, each layer, its last-stage modules: the
-embedding, each block, the final norm, the head for GPT) gets buckets of its own (and in it the
-experts expert parallelism splits, sharded over the ranks holding the same experts), and at rest a
-rank keeps only its 1/dp chunk of each bucket's parameters (`param_shard`, which
+embedding, each block, the final norm, the head for GPT) gets buckets of its own (the experts that
+expert parallelism splits in buckets apart, sharded over the ranks holding the same experts), and at
+rest a rank keeps only its 1/dp chunk of each bucket's parameters (`param_shard`, which
 its optimizer updates). The flat buffer the model's parameters view keeps its tensor but has its
 storage freed (resized to 0 bytes), so the parameter objects, autograd's references to them and
 the optimizer's bookkeeping never change; only the bytes come and go.
