@@ -131,6 +131,7 @@ LAYOUTS = [
     # Expert tensor parallelism: each expert split over tp, every tp rank's rows through every slice.
     (["parallel=tp2", "parallel.expert_tp=2", "parallel.zero_stage=1"], 2),
     (["parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2", "parallel.sequence_parallel=true"], 4),
+    (["parallel=tp2_pp2", "parallel.expert_tp=2", "parallel.sequence_parallel=true"], 4),
 ]
 
 
