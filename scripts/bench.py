@@ -123,6 +123,20 @@ def n_params(model) -> int:
     return sum(p.numel() for p in model.parameters())  # parameters() counts a tied weight once
 
 
+def same_model_batches(mega, hf, cfg, micro_batch: int, seed: int):
+    """Four synthetic batches (micro_batch x seq_length + 1 token ids), and the largest logit difference on the
+    first, which must be small (megalm's model and the HF one give the same logits over the real vocabulary, or
+    they are not the same model)."""
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, cfg.vocab_size, (micro_batch, cfg.seq_length + 1), generator=g) for _ in range(4)]
+    mega.eval(), hf.eval()
+    with torch.no_grad():
+        x = batches[0][:, :-1]
+        logit_diff = (mega(x)[..., :cfg.vocab_size] - hf(input_ids=x).logits).abs().max().item()
+    assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
+    return batches, logit_diff
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -139,13 +153,7 @@ def main(argv=None) -> dict:
         "so the FLOPs, and the comparison, would not be the same")
 
     B, T = args.micro_batch, cfg.seq_length
-    g = torch.Generator().manual_seed(args.seed)
-    batches = [torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g) for _ in range(4)]
-    mega.eval(), hf.eval()
-    with torch.no_grad():  # same weights and input must give the same logits, else it is not the same model
-        x = batches[0][:, :-1]
-        logit_diff = (mega(x) - hf(input_ids=x).logits).abs().max().item()
-    assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
+    batches, logit_diff = same_model_batches(mega, hf, cfg, B, args.seed)
 
     opt_cfg = OptimizerConfig(implementation=args.optimizer)
     runs = {}

@@ -26,6 +26,9 @@ from megalm.config import OptimizerConfig, conf_dir, model_config_from
 from megalm.models import build_model, init_weights, lm_loss
 from megalm.training.optim import build_optimizer, kernel_options, param_groups
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import same_model_batches  # noqa: E402  (bench.py's batches and its same-model check)
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -90,13 +93,7 @@ def main(argv=None) -> dict:
     hf = hf_model(cfg)
     copy_weights(mega, hf, cfg)
     B, T = args.micro_batch, cfg.seq_length
-    g = torch.Generator().manual_seed(args.seed)
-    batches = [torch.randint(0, cfg.vocab_size, (B, T + 1), generator=g) for _ in range(4)]
-    mega.eval(), hf.eval()
-    with torch.no_grad():  # the same weights and input give the same logits, or it is not the same model
-        x = batches[0][:, :-1]
-        logit_diff = (mega(x)[..., :cfg.vocab_size] - hf(input_ids=x).logits).abs().max().item()
-    assert logit_diff < 1e-3, f"megalm and HF logits differ by {logit_diff:.2e} from the same weights"
+    batches, logit_diff = same_model_batches(mega, hf, cfg, B, args.seed)
 
     opt_cfg = OptimizerConfig(implementation="foreach")
     runs = {"megalm": (mega, build_optimizer(opt_cfg, mega), lambda x, y: mega(x, labels=y)),
