@@ -124,6 +124,9 @@ LAYOUTS = [
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=2", "parallel.recompute=selective", *AOT("blocks")], 2),
     ("llama", ["parallel=tp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=3", *AOT("blocks")], 4),
     ("gpt2", ["parallel=tp2_pp2_dp2", "parallel.zero_stage=1", "parallel.recompute=full", *AOT("model")], 8),
+    # Unfused attention (model.attention_backend) on each rank's heads, recomputed, against SDPA's single process.
+    ("llama", ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.recompute=selective",
+               "model.attention_backend=unfused"], 2),
 ]
 
 

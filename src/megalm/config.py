@@ -57,6 +57,12 @@ class ModelConfig:
     """Std of the normal initialisation; output projections use init_std / sqrt(2 * num_layers)."""
     transformer_impl: str = "local"
     """local | te (Transformer Engine, GPU only)."""
+    attention_backend: str = "auto"
+    """auto | sdpa | unfused: the attention kernel. sdpa: torch's scaled_dot_product_attention (flash
+    kernels); unfused: separate matmuls, mask and fp32 softmax (Megatron's unfused attention), which a
+    compiled graph fuses; auto: unfused inside a compiled graph on CPU in bf16 / fp16, where it was measured
+    faster, sdpa elsewhere. The same weights and results either way; context parallelism's ring attention
+    has its own kernel."""
 
     @property
     def kv_heads(self) -> int:

@@ -19,6 +19,7 @@ CHOICES = {
     "model.normalization": ("layernorm", "rmsnorm"),
     "model.activation": ("gelu", "gelu_exact", "relu", "swiglu"),
     "model.transformer_impl": ("local", "te"),
+    "model.attention_backend": ("auto", "sdpa", "unfused"),
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
     "optimizer.name": ("adamw", "sgd"),
@@ -320,6 +321,9 @@ def _validate_context(cfg: Config) -> None:
     if m.seq_length % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2 x cp = {2 * p.cp} chunks (two a rank, for "
                           f"causal load balance); model.seq_length={m.seq_length} does not divide")
+    if m.attention_backend == "unfused":
+        raise ConfigError(f"parallel.cp={p.cp} runs its own blockwise ring attention, not "
+                          "model.attention_backend=unfused: use model.attention_backend=auto or parallel.cp=1")
     if d.source == "sft" and d.packing:
         raise ConfigError(f"parallel.cp={p.cp} attends over whole sequences; data.packing=true keeps attention inside "
                           "each packed example, which the ring does not: use data.packing=false or parallel.cp=1")

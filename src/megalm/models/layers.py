@@ -66,7 +66,7 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.kv_heads, cfg.head_dim
         self.qkv = nn.Linear(cfg.hidden_size, (self.num_heads + 2 * self.kv_heads) * self.head_dim, bias=cfg.bias)
-        self.core = AttentionCore(cfg.attention_dropout, causal)
+        self.core = AttentionCore(cfg.attention_dropout, causal, cfg.attention_backend)
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
         self.context = None  # context parallelism (megalm.parallel.context): this rank's place in the sequence
@@ -101,16 +101,49 @@ class Attention(nn.Module):
         return self.dropout(self.proj(y))
 
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
+
+
+def attention_backend(choice: str, device_type: str, dtype: torch.dtype, compiling: bool) -> str:
+    """The attention kernel `model.attention_backend` = `choice` runs: sdpa or unfused as named; auto picks
+    unfused where it was measured faster, inside a compiled graph on CPU in bf16 / fp16 (docs/PERFORMANCE.md:
+    inductor fuses its mask and softmax, and its matmuls run in the low precision, where CPU's flash
+    kernel gained nothing over fp32), and sdpa everywhere else."""
+    if choice != "auto":
+        return choice
+    low = dtype in (torch.bfloat16, torch.float16)
+    return "unfused" if compiling and device_type == "cpu" and low else "sdpa"
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
+                      causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(q k^T / sqrt(hd) + mask) v as separate ops, SDPA's arguments and result: the scores in q's
+    dtype, the softmax in fp32, its probabilities cast back to q's dtype for the second matmul (Megatron's
+    unfused core attention with the softmax in fp32). `mask`: bool (True: attend) or additive; `causal`:
+    query t of T sees keys up to S - T + t of S."""
+    T, S = q.shape[-2], k.shape[-2]
+    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+    if causal:
+        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p > 0:
+        probs = F.dropout(probs, dropout_p)
+    return torch.matmul(probs, v)
+
+
 class AttentionCore(nn.Module):
-    """softmax(q k^T / sqrt(hd)) v with the causal mask, or (causal=False) a key mask, on SDPA;
-    no parameters.
+    """softmax(q k^T / sqrt(hd)) v with the causal mask, or (causal=False) a key mask; no parameters.
+    On SDPA, or with `backend` (model.attention_backend; see `attention_backend`) as separate ops.
 
     A module of its own so the parallel code can wrap it (dropout RNG stream, recomputation).
     """
 
-    def __init__(self, attention_dropout: float, causal: bool = True):
+    def __init__(self, attention_dropout: float, causal: bool = True, backend: str = "auto"):
         super().__init__()
-        self.attention_dropout, self.causal = attention_dropout, causal
+        self.attention_dropout, self.causal, self.backend = attention_dropout, causal, backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -119,15 +152,17 @@ class AttentionCore(nn.Module):
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        if not self.causal or mask is not None:  # a key mask, or a causal one per packed example
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=self.attention_dropout if self.training else 0.0)
-        if T > 1 and S != T:
+        dropout = self.attention_dropout if self.training else 0.0
+        causal = self.causal and mask is None and T > 1
+        if attention_backend(self.backend, q.device.type, q.dtype, torch.compiler.is_compiling()) == "unfused":
+            return unfused_attention(q, k, v, mask, causal, dropout)
+        if not causal:  # a key mask, a causal one per packed example, or one query
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        if S != T:
             # A chunk after a cached prefix: query t sees every cached key and the chunk up to itself.
             mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(
-            q, k, v, is_causal=T > 1, dropout_p=self.attention_dropout if self.training else 0.0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout)
 
 
 class MLP(nn.Module):

@@ -156,7 +156,7 @@ class CrossAttention(nn.Module):
         self.head_dim, self.kv_heads, self.num_heads = cfg.head_dim, cfg.kv_heads, cfg.num_attention_heads
         self.q = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, bias=cfg.bias)
         self.kv = nn.Linear(cfg.hidden_size, 2 * cfg.kv_heads * cfg.head_dim, bias=cfg.bias)
-        self.core = AttentionCore(cfg.attention_dropout, causal=False)
+        self.core = AttentionCore(cfg.attention_dropout, False, cfg.attention_backend)
         self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
 
