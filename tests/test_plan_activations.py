@@ -31,6 +31,7 @@ LLAMA = [*GPT2, "model.position_embedding=rope", "model.normalization=rmsnorm", 
 BERT = ["model=bert_tiny", *SHAPE]
 POST = [*BERT, "model.norm_position=post"]
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]  # CPU: dropout noise, SDPA's math path
+UNFUSED = "model.attention_backend=unfused"
 # Multi-rank layouts run at dp = 2 on one set of four ranks: a data-parallel replica changes no rank's
 # activations, only the micro-batches per step (global_batch / (micro_batch * dp)), which this checks too.
 TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
@@ -61,6 +62,11 @@ SINGLE = {
     "bert": BERT, "bert-post-dropout": [*POST, *DROPOUT], "bert-selective": [*BERT, "parallel.recompute=selective"],
     "bert-post-full": [*POST, "parallel.recompute=full"], "bert-bf16": [*BERT, "trainer.precision=bf16"],
     "bert-no-binary-head": [*BERT, "model.binary_head=false"],
+    # Unfused attention (model.attention_backend): the fp32 softmax and the probabilities, the operands
+    # torch.matmul folds (copies of qkv's views, or RoPE's and the GQA repeat in place), the masks.
+    "gpt2-unfused": [*GPT2, UNFUSED], "gpt2-bf16-unfused": [*GPT2, "trainer.precision=bf16", UNFUSED],
+    "llama-bf16-dropout-unfused": [*LLAMA, *DROPOUT, "trainer.precision=bf16", UNFUSED],
+    "bert-unfused": [*BERT, UNFUSED],
     # Mixtures of experts (model=moe_tiny: 4 SwiGLU experts, 2 a token, both aux losses): dropless routing runs
     # tokens x k rows whatever the router picks; with a capacity, k = E sends every token to every expert, so
     # each expert's share (and what it drops) is known.
@@ -71,6 +77,7 @@ MULTI = {
     "gpt2-tp2-sp": [*GPT2, *TP2, "parallel.sequence_parallel=true"],
     "llama-tp2-sp": [*LLAMA, *TP2, "parallel.sequence_parallel=true"],
     "gpt2-tp2-sp-dropout": [*GPT2, *DROPOUT, *TP2, "parallel.sequence_parallel=true"],
+    "llama-tp2-sp-unfused": [*LLAMA, *TP2, "parallel.sequence_parallel=true", UNFUSED],
     **{f"gpt2-pp2-{s[0].split('=')[1]}": [*GPT2, *PP2, *s] for s in SCHEDULES},
     "llama-pp2-1f1b-full": [*LLAMA, *PP2, "parallel.recompute=full"],
     "llama-tp2_pp2-sp-interleaved": [*LLAMA, "parallel=tp2_pp2", "parallel.sequence_parallel=true",

@@ -438,6 +438,9 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
 # - attention runs on SDPA's fused kernels, which keep q, k, v, the output and a log-sum-exp (a fp32 values
 #   a token) instead of the a*s score matrices; only on CPU with attention dropout does SDPA fall back to
 #   its math path, which keeps them (softmax, dropout noise, dropped probabilities: 3 a*s values a token);
+#   model.attention_backend=unfused (or auto, compiled on CPU in bf16 / fp16) keeps the scores' softmax in
+#   fp32 and its probabilities in the compute dtype (`_unfused_core`; what eager autograd saves: inside a
+#   compiled graph AOT autograd's partitioner chooses what to keep, which is not modelled);
 # - sequence parallelism keeps the all-gathered (full-sequence) input of each column-parallel linear,
 #   where Megatron keeps the shard and gathers again in backward: 2h a token stay unsharded;
 # - training runs fp32 by default; with bf16 / fp16 autocast the residual stream, norms, the log-softmax
@@ -523,6 +526,7 @@ class _Shape:
     ep: int = 1               # expert-parallel ranks: a rank holds experts / ep of a layer
     relu: bool = False
     expert_tp: int = 1        # expert tensor parallelism (parallel.expert_tp): each expert split over tp
+    unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
 
     @property
     def seq(self) -> int:
@@ -531,7 +535,7 @@ class _Shape:
 
     @property
     def fused_attention(self) -> bool:
-        return not (self.cpu and self.attention_dropout > 0)
+        return not self.unfused and not (self.cpu and self.attention_dropout > 0)
 
     def mask(self, element: int) -> int:
         """Bytes a dropout keeps an element: CUDA's native_dropout a bool, CPU's a noise tensor of the input's dtype."""
@@ -569,7 +573,16 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
                   aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
                   capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
-                  expert_tp=p.expert_tp if dims.tp > 1 else 1)
+                  expert_tp=p.expert_tp if dims.tp > 1 else 1,
+                  unfused=_unfused(m, tr, device))
+
+
+def _unfused(m, tr, device: str) -> bool:
+    """Whether the run's attention is the unfused one (model.attention_backend, `auto` resolved as the layers do)."""
+    import torch
+    from megalm.models.layers import attention_backend
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.precision, torch.float32)
+    return attention_backend(getattr(m, "attention_backend", "sdpa"), device, dtype, tr.compile != "none") == "unfused"
 
 
 def _norm(d: _Shape) -> float:
@@ -597,6 +610,8 @@ def _attention_core(d: _Shape, selective: bool) -> float:
     inputs = qkv if not d.rope else h + kv + qkv
     if selective:
         return (inputs + h) * d.e / d.t
+    if d.unfused:
+        return _unfused_core(d)
     if not d.fused_attention:  # CPU's math path computes in fp32 under autocast too, then casts its output back
         return (3 * h * FP32 + h * d.e + d.a * d.s * 3 * FP32) / d.t
     if d.groups > 1:  # k, v repeated: q (a view of qkv, or RoPE's), k_rep, v_rep
@@ -605,6 +620,33 @@ def _attention_core(d: _Shape, selective: bool) -> float:
         kept = inputs
     out = h + (h if d.rope else 0)  # SDPA's output, and the projection's copy of it after RoPE
     return (kept + out) * d.e / d.t + d.a * FP32 / d.t
+
+
+def _unfused_core(d: _Shape) -> float:
+    """The unfused attention's saves per token (megalm.models.layers.unfused_attention; model.attention_backend),
+    Korthikanti's 5as/h term in megalm's dtypes. With H = a / t heads on the rank:
+    - the first matmul's operands as torch.matmul folds them to 3-D: q is RoPE's contiguous output (h), or a
+      view of the qkv output, folded by a copy (h) or in place (the qkv storage) per `_reshape_copies`; k^T
+      folds in place when k is contiguous (RoPE's output: kv; the grouped-query repeat: h), else like q;
+    - the softmax's fp32 output (H s values); under autocast also its cast to the compute dtype, the second
+      matmul's input; with attention dropout its noise (CPU: the compute dtype) and the dropped probabilities;
+    - the second matmul's v: the grouped-query repeat (h), or a view of qkv, folded as q is;
+    - the masked_fill's bool mask: causal, an s x s one a layer (s / b bytes a token); BERT's key mask, one a token;
+    - the output projection's input, a copy of the heads' output merged back (h)."""
+    h, kv, e, t = d.h, d.kv, d.e, d.t
+    grouped = d.groups > 1
+    own = (h if d.rope else None, h if grouped else kv if d.rope else None, h if grouped else None)  # q, k, v
+    kept = sum(w for w in own if w is not None)
+    views = [width for width, w in zip((h, kv, kv), own) if w is None]  # views of the qkv output
+    if views:
+        kept += sum(views) if _reshape_copies(d.b, d.a // t, False) else h + 2 * kv
+    probs = d.a * d.s / t
+    if d.attention_dropout > 0:
+        scores = probs * (FP32 + d.mask(d.e) + d.e)
+    else:
+        scores = probs * (FP32 + (d.e if d.autocast else 0))
+    masks = d.s / d.b if not d.bert else 1.0
+    return (kept + h) * e / t + scores + masks
 
 
 def _reshape_copies(batch: int, heads: int, merged: bool) -> bool:
