@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, OptimizerConfig, conf_dir, model_config_from
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
+from megalm.models.layers import AttentionCore
 from megalm.training.compiling import apply_compile
 from megalm.training.metrics import measure_matmul_peak
 from megalm.training.optim import build_optimizer, kernel_options, param_groups
@@ -64,7 +65,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="eager",
                    help="comma-separated: eager, compiled (torch.compile of the whole model, megalm's "
                         "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
-                        "whole), bf16 (CPU autocast), bf16-compiled; each runs for megalm and HF alike")
+                        "whole), bf16 (CPU autocast), bf16-compiled, bf16-compiled-sdpa (megalm's attention on SDPA "
+                        "instead of model.attention_backend=auto's unfused choice there); each runs for megalm and HF "
+                        "alike")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -74,7 +77,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled")
+MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled", "bf16-compiled-sdpa")
 
 
 def model_config(args) -> ModelConfig:
@@ -159,8 +162,11 @@ def main(argv=None) -> dict:
     runs = {}
     for mode in args.modes:
         m_model, h_model = (mega, hf) if mode == args.modes[0] else (copy.deepcopy(mega), copy.deepcopy(hf))
-        compiled = mode.endswith("compiled") or mode == "compiled-blocks"
-        if compiled:  # HF's user compiles the whole model; megalm's option picks the granularity
+        if mode.endswith("-sdpa"):  # the attention kernel auto would not pick here
+            for module in m_model.modules():
+                if isinstance(module, AttentionCore):
+                    module.backend = "sdpa"
+        if "compiled" in mode:  # HF's user compiles the whole model; megalm's option picks the granularity
             apply_compile(m_model, "blocks" if mode == "compiled-blocks" else "model", "inductor", "cpu")
             h_model.compile()
         amp = mode.startswith("bf16")
@@ -224,7 +230,8 @@ def main(argv=None) -> dict:
             ratios[f"megalm/{mode} : megalm/{first}"] = paired(f"megalm/{mode}", f"megalm/{first}")
             ratios[f"megalm/{mode} : hf/{first}"] = paired(f"megalm/{mode}", f"hf/{first}")
             ratios[f"hf/{mode} : hf/{first}"] = paired(f"hf/{mode}", f"hf/{first}")
-    for a, b in (("compiled", "compiled-blocks"), ("bf16", "bf16-compiled")):
+    for a, b in (("compiled", "compiled-blocks"), ("bf16", "bf16-compiled"),
+                 ("bf16-compiled-sdpa", "bf16-compiled")):
         if a in args.modes and b in args.modes:
             ratios[f"megalm/{b} : megalm/{a}"] = paired(f"megalm/{b}", f"megalm/{a}")
     if "compiled" in args.modes:  # megalm's best fp32 mode against HF's compiled model
@@ -274,16 +281,16 @@ def print_table(out: dict) -> None:
           f"HF attention: {out['hf_attn_implementation']}")
     print(f"{out['rounds']} rounds x {out['steps']} steps per run after {out['warmup']} warm-up steps (compilation "
           "happens there); median of per-round tokens/s; MFU against the fp32 peak")
-    print(f"| {'run':<22} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | {'round min-max tokens/s':>22} "
+    print(f"| {'run':<25} | {'tokens/s':>9} | {'TFLOP/s':>8} | {'MFU':>6} | {'round min-max tokens/s':>22} "
           f"| {'warm-up s':>9} | {'loss':>6} |")
-    print(f"|{'-' * 24}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 24}|{'-' * 11}|{'-' * 8}|")
+    print(f"|{'-' * 27}|{'-' * 11}|{'-' * 10}|{'-' * 8}|{'-' * 24}|{'-' * 11}|{'-' * 8}|")
     for name, r in out["results"].items():
         spread = f"{min(r['rounds_tokens_per_s']):.0f}-{max(r['rounds_tokens_per_s']):.0f}"
-        print(f"| {name:<22} | {r['tokens_per_s']:>9.0f} | {r['tflops']:>8.4f} | {r['mfu']:>6.1%} | {spread:>22} "
+        print(f"| {name:<25} | {r['tokens_per_s']:>9.0f} | {r['tflops']:>8.4f} | {r['mfu']:>6.1%} | {spread:>22} "
               f"| {r['warmup_s']:>9.1f} | {r['final_loss']:>6.3f} |")
     print("paired ratios (median over rounds of the ratio within a round):")
     for name, ratio in out["paired_ratios"].items():
-        print(f"  {name:<44} {ratio:.3f}")
+        print(f"  {name:<52} {ratio:.3f}")
     for name, prof in out.get("profiles", {}).items():
         print(f"{name}: {prof['self_cpu_ms_per_step']:.1f} ms self CPU time a step (profiled), matmuls "
               f"{prof['matmul_share']:.1%}; " + ", ".join(f"{t['op'].replace('aten::', '')} {t['share']:.1%} "
