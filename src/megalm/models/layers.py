@@ -101,9 +101,6 @@ class Attention(nn.Module):
         return self.dropout(self.proj(y))
 
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "unfused")
-
-
 def attention_backend(choice: str, device_type: str, dtype: torch.dtype, compiling: bool) -> str:
     """The attention kernel `model.attention_backend` = `choice` runs: sdpa or unfused as named; auto picks
     unfused where it was measured faster, inside a compiled graph on CPU in bf16 / fp16 (docs/PERFORMANCE.md:
