@@ -53,15 +53,42 @@ def steps_of(run_dir: Path):
 
 # -- while composing the config ------------------------------------------------------------------
 
-@pytest.mark.parametrize("override,expected", [
-    ("trainer.max_stepz=3", ["unknown key trainer.max_stepz", "did you mean trainer.max_steps?", "max_steps"]),
+# Mistakes Hydra meets while composing, before any task runs: the same code path as the command line's
+# (run_hydra_app over train's Hydra app), called in this process to spare a torch import per case; the
+# command line itself is checked on one of them and on the mistakes validation finds.
+COMPOSE_MISTAKES = [
     ("model=gpt_tny", ["model=gpt_tny is not a model preset", "did you mean gpt_tiny?", "gpt_125m"]),
     ("data.tokenizer.type=null", ["data.tokenizer.type=null", "quote it"]),
     ("trainer.max_steps=abc", ["trainer.max_steps=abc", "Integer"]),
-    ("trainer.precision=fp64", ["trainer.precision='fp64' is not one of fp32, bf16, fp16, fp8"]),
     # Each family's schema takes its own fields only.
     ("model.binary_head=false", ["unknown key model.binary_head", "GPTConfig has", "tie_embeddings"]),
     ("model=bert_tiny model.rope_theta=5e5", ["unknown key model.rope_theta", "BertConfig has", "norm_position"]),
+]
+
+
+def in_process(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
+    """`python -m megalm.train args` for a mistake found before the task runs, called in this process."""
+    from megalm.cli import run_hydra_app
+    from megalm.train import hydra_main
+    for var in ("MEGALM_FULL_ERROR", "HYDRA_FULL_ERROR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(sys, "argv", ["megalm.train", *args])
+    with pytest.raises(SystemExit) as stop:
+        run_hydra_app(hydra_main)
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, stop.value.code, captured.out, captured.err)
+
+
+@pytest.mark.parametrize("override,expected", COMPOSE_MISTAKES)
+def test_composition_mistakes_are_one_line(tmp_path, monkeypatch, capsys, override, expected):
+    r = in_process(monkeypatch, capsys, *MOCK, *override.split(), f"hydra.run.dir={tmp_path / 'run'}")
+    assert_megalm_error(r, "invalid config", *expected)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("trainer.max_stepz=3", ["unknown key trainer.max_stepz", "did you mean trainer.max_steps?", "max_steps"]),
+    ("trainer.precision=fp64", ["trainer.precision='fp64' is not one of fp32, bf16, fp16, fp8"]),
     ("model=bert_tiny model.norm_position=middle", ["model.norm_position='middle' is not one of pre, post"]),
 ])
 def test_config_mistakes_are_one_line(tmp_path, override, expected):
@@ -70,9 +97,9 @@ def test_config_mistakes_are_one_line(tmp_path, override, expected):
     assert not (tmp_path / "run" / "config.yaml").exists()
 
 
-def test_run_dir_that_is_a_file(tmp_path):
+def test_run_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
     (tmp_path / "taken").write_text("not a directory")
-    r = cli(*MOCK, f"hydra.run.dir={tmp_path / 'taken'}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *MOCK, f"hydra.run.dir={tmp_path / 'taken'}")
     assert_megalm_error(r, "invalid config", "is a file, not a directory")
 
 
