@@ -82,6 +82,21 @@ def test_cli_table_and_json():
     assert bad.returncode != 0 and "megalm.plan" in bad.stderr and "tp" in bad.stderr
 
 
+@pytest.mark.parametrize("override,expected", [
+    ("cluster=cpu", "cluster=cpu is not a cluster preset; the cluster presets are: local"),
+    ("trainer.max_stepz=3", "unknown key trainer.max_stepz (did you mean trainer.max_steps?)"),
+    ("trainer.max_steps=abc", "trainer.max_steps=abc: Value 'abc'"),
+])
+def test_cli_composition_mistakes_read_as_train_says_them(capsys, override, expected):
+    """A misspelt preset or key is one line naming it and what is allowed, as megalm.train says it: not Hydra's traceback."""
+    from megalm.plan import main
+    with pytest.raises(SystemExit) as stop:
+        main(["model=gpt_tiny", "data=mock", override])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and err.startswith("megalm.plan: invalid config: ") and expected in err, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
 # ---------------------------------------------------------------------------------------------
 # Schedules, step time, search
 # ---------------------------------------------------------------------------------------------
