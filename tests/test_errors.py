@@ -57,7 +57,8 @@ def steps_of(run_dir: Path):
 # (run_hydra_app over train's Hydra app), called in this process to spare a torch import per case; the
 # command line itself is checked on one of them and on the mistakes validation finds.
 COMPOSE_MISTAKES = [
-    ("model=gpt_tny", ["model=gpt_tny is not a model preset", "did you mean gpt_tiny?", "gpt_125m"]),
+    ("model=gpt_tny", ["model=gpt_tny is not a model preset", "did you mean gpt_tiny?", "gpt_125m, gpt_13b",
+                       "gpt_cpu, gpt_tiny"]),  # no family schema (gpt_schema) among the presets
     ("data.tokenizer.type=null", ["data.tokenizer.type=null", "quote it"]),
     ("trainer.max_steps=abc", ["trainer.max_steps=abc", "Integer"]),
     # Each family's schema takes its own fields only.

@@ -30,7 +30,8 @@ def explain_hydra_error(e: BaseException) -> Optional[ConfigError]:
 
     if isinstance(e, MissingConfigException):
         missing = str(getattr(e, "missing_cfg_file", "") or "")
-        options = list(getattr(e, "options", None) or [])
+        # A family's schema (model/<arch>_schema) is in the group for presets to name, not a preset itself.
+        options = [o for o in (getattr(e, "options", None) or []) if not str(o).endswith("_schema")]
         if "/" in missing and options:
             group, name = missing.rsplit("/", 1)
             return ConfigError(f"{group}={name} is not a {group} preset{did_you_mean(name, options)}; "
