@@ -61,7 +61,7 @@ def test_unfused_dropout_drops_in_training_only():
     assert (dropped - ref).abs().max() > 0.1
 
 
-def test_unfused_keeps_the_compute_dtype_with_an_fp32_softmax():
+def test_unfused_in_bf16_returns_bf16_near_fp32():
     q, k, v = (x.detach().bfloat16() for x in _qkv())
     out = unfused_attention(q, k, v, causal=True)
     assert out.dtype == torch.bfloat16

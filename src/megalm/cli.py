@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
 from megalm.errors import ConfigError, cli_errors, did_you_mean, full_errors
 
@@ -61,6 +61,15 @@ def explain_hydra_error(e: BaseException) -> Optional[ConfigError]:
     return ConfigError(str(e).split("\n")[0] + (f": {str(cause).splitlines()[0]}" if cause else ""))
 
 
+def raise_explained(e: BaseException) -> NoReturn:
+    """Inside `except`: raise `e` as the ConfigError `explain_hydra_error` makes of it, or `e` itself when it is
+    not a user's composition mistake or full errors were asked for (MEGALM_FULL_ERROR)."""
+    explained = None if full_errors() else explain_hydra_error(e)
+    if explained is None:
+        raise e
+    raise explained from None
+
+
 def _check_run_dir(argv: List[str]) -> None:
     """hydra.run.dir / hydra.sweep.dir naming an existing file fails in Hydra with an OSError; say it plainly."""
     for arg in argv:
@@ -89,10 +98,7 @@ def run_hydra_app(app: Callable[[], Any], prog: str = "megalm") -> Any:
             try:
                 return app()
             except Exception as e:
-                explained = None if full_errors() else explain_hydra_error(e)
-                if explained is None:
-                    raise
-                raise explained from None
+                raise_explained(e)
     finally:
         for var, value in saved.items():
             if value is None:

@@ -46,16 +46,13 @@ def compose(overrides: List[str], gpus: Optional[int] = None):
     from megalm.config import conf_dir, register_configs
     from megalm.launch import ranks_needed
     from megalm.validation import reject_unknown_keys, validate
-    from megalm.cli import explain_hydra_error
+    from megalm.cli import raise_explained
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         try:
             dcfg = hydra_compose("config", overrides=list(overrides))
         except Exception as e:  # a misspelt key or preset, as train says it
-            explained = explain_hydra_error(e)
-            if explained is None:
-                raise
-            raise explained from None
+            raise_explained(e)
     reject_unknown_keys(dcfg)
     cfg = OmegaConf.to_object(dcfg)
     if gpus is not None and gpus < 1:
