@@ -28,10 +28,11 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from megalm.config import ModelConfig, OptimizerConfig, conf_dir, model_config_from
+from megalm.config import ModelConfig, OptimizerConfig, TrainerConfig, conf_dir, model_config_from
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
 from megalm.models.layers import AttentionCore
 from megalm.training.compiling import apply_compile
+from megalm.training.cpu_memory import CHOICES as CPU_ALLOCATORS, apply_cpu_allocator
 from megalm.training.metrics import measure_matmul_peak
 from megalm.training.optim import build_optimizer, kernel_options, param_groups
 
@@ -59,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the synthetic batches")
     p.add_argument("--optimizer", default=OptimizerConfig.implementation, choices=("fused", "foreach", "for_loop"),
                    help="torch.optim AdamW kernel, for both models (optimizer.implementation)")
+    p.add_argument("--cpu-allocator", default=TrainerConfig.cpu_allocator, choices=CPU_ALLOCATORS,
+                   help="malloc's policy for this whole process, both models alike (trainer.cpu_allocator; default "
+                        "%(default)s, the trainer's)")
     p.add_argument("--profile", type=int, default=0, metavar="STEPS",
                    help="after the rounds, profile this many steps of each megalm run (torch.profiler): the "
                         "share of self CPU time in matmuls and the ops that take the most")
@@ -143,6 +147,9 @@ def same_model_batches(mega, hf, cfg, micro_batch: int, seed: int):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    why = apply_cpu_allocator(args.cpu_allocator)
+    if why is not None:
+        print(f"--cpu-allocator {args.cpu_allocator}: {why}", file=sys.stderr)
     torch.manual_seed(args.seed)
     cfg = model_config(args)
 
@@ -242,7 +249,7 @@ def main(argv=None) -> dict:
            "config": {k: getattr(cfg, k) for k in ("name", "num_layers", "hidden_size", "num_attention_heads",
                                                    "seq_length", "vocab_size", "padded_vocab_size", "ffn_size")},
            "micro_batch": B, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup, "modes": args.modes,
-           "threads": torch.get_num_threads(), "torch": torch.__version__,
+           "threads": torch.get_num_threads(), "cpu_allocator": args.cpu_allocator, "torch": torch.__version__,
            "hf_attn_implementation": hf.config._attn_implementation,
            "params": params, "flops_per_token": fpt, "peak_tflops": statistics.median(peaks) / 1e12,
            "rounds_peak_tflops": [p / 1e12 for p in peaks],
@@ -275,7 +282,8 @@ def print_table(out: dict) -> None:
     c = out["config"]
     print(f"shape: {c['num_layers']} layers, hidden {c['hidden_size']}, {c['num_attention_heads']} heads, "
           f"seq {c['seq_length']}, vocab {c['vocab_size']} (padded {c['padded_vocab_size']}); "
-          f"micro-batch {out['micro_batch']}, {out['threads']} threads, AdamW; modes {', '.join(out['modes'])}")
+          f"micro-batch {out['micro_batch']}, {out['threads']} threads, AdamW, cpu allocator {out['cpu_allocator']}; "
+          f"modes {', '.join(out['modes'])}")
     print(f"params: {out['params']['megalm']:,} (both)   model FLOPs/token: {out['flops_per_token'] / 1e6:.1f} M   "
           f"fp32 matmul peak (median of rounds): {out['peak_tflops'] * 1e3:.0f} GFLOP/s   "
           f"HF attention: {out['hf_attn_implementation']}")

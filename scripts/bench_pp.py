@@ -49,6 +49,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megalm.config import TrainerConfig
+from megalm.training.cpu_memory import CHOICES as CPU_ALLOCATORS
+
 SCHEDULE_V = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
 QUICK = dict(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, m=[4], rounds=1, steps=1,
              busy_repeats=3)
@@ -217,8 +220,12 @@ def worker(rank, world, store_path, args, queue):
 def _worker(rank, world, store_path, args):
     from megalm.config import register_configs
     from megalm.models import build_model, init_weights
+    from megalm.training.cpu_memory import apply_cpu_allocator
     from megalm.training.optim import build_optimizer
     register_configs()
+    why = apply_cpu_allocator(args.cpu_allocator)  # as a training rank does
+    if why is not None and rank == 0:
+        print(f"--cpu-allocator {args.cpu_allocator}: {why}", file=sys.stderr)
     cores = os.cpu_count() or 1
     torch.set_num_threads(max(1, cores // world))
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
@@ -488,6 +495,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=2, help="training steps per round and cell")
     ap.add_argument("--busy-repeats", type=int, default=1,
                     help="busy passes per round and cell; the fastest counts (more: busy biased low, idle high)")
+    ap.add_argument("--cpu-allocator", default=TrainerConfig.cpu_allocator, choices=CPU_ALLOCATORS,
+                    help="malloc's policy on every rank, as trainer.cpu_allocator (default %(default)s, the trainer's)")
     ap.add_argument("--no-single", action="store_true", help="skip the single-process reference")
     ap.add_argument("--quick", action="store_true",
                     help="tiny shape for tests: " + ", ".join(f"{k}={v}" for k, v in QUICK.items()))

@@ -112,6 +112,7 @@ BAD = [
     (["data.prefetch=-1"], 1, "data.prefetch=-1 must not be negative"),
     (["optimizer.implementation=apex"], 1, "optimizer.implementation='apex' is not one of fused, foreach, for_loop"),
     (["trainer.compile=whole"], 1, "trainer.compile='whole' is not one of none, model, blocks"),
+    (["trainer.cpu_allocator=jemalloc"], 1, "trainer.cpu_allocator='jemalloc' is not one of reuse, system"),
     (["trainer.compile=model", "trainer.compile_backend=tvm"], 1,
      "trainer.compile_backend='tvm' is not one of inductor, aot_eager, eager"),
     (["trainer.precision=fp8"], 1, "trainer.precision=fp8 runs through Transformer Engine"),

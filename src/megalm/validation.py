@@ -13,6 +13,7 @@ from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError, did_you_mean
 from megalm.models.family import family_names, family_of
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
+from megalm.training.cpu_memory import CHOICES as ALLOCATORS
 
 
 CHOICES = {
@@ -28,6 +29,7 @@ CHOICES = {
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.compile": ("none", "model", "blocks"),
+    "trainer.cpu_allocator": ALLOCATORS,
     "trainer.compile_backend": ("inductor", "aot_eager", "eager"),
     "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa"),
     "data.tokenizer.type": ("sentencepiece", "huggingface", "null"),

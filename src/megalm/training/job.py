@@ -34,6 +34,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.models.family import family_of
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
+    from megalm.training.cpu_memory import apply_cpu_allocator
     from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
     from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.resume import nothing_left, plan_start
@@ -46,6 +47,9 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type == "cpu":
         torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+        why = apply_cpu_allocator(t.cpu_allocator)
+        if why is not None and rank == 0:
+            log.warning("trainer.cpu_allocator=%s: %s", t.cpu_allocator, why)
     torch.manual_seed(t.seed)  # the stream shared by every rank (dropout on replicated activations)
 
     dims = ParallelDims.from_config(cfg.parallel, world_size)

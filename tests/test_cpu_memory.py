@@ -1,0 +1,77 @@
+"""trainer.cpu_allocator: with `reuse` the large blocks a CPU step frees stay in the process.
+
+Whether a block is mapped on its own is read from glibc (mallinfo2), in a fresh process: the setting is
+process-wide, and this test process may already hold it from a training run.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megalm.training import cpu_memory
+from megalm.training.cpu_memory import apply_cpu_allocator, mapped_bytes
+
+glibc = pytest.mark.skipif(cpu_memory._glibc() is None, reason="mallopt's settings are glibc's")
+
+PROBE = """
+import json, sys, torch
+from megalm.training.cpu_memory import apply_cpu_allocator, mapped_bytes
+
+def grows():  # bytes mapped on their own while a fresh 64 MiB tensor lives, and after it is freed
+    before = mapped_bytes()
+    t = torch.ones(16 << 20)  # 64 MiB of fp32, written
+    during = mapped_bytes() - before
+    del t
+    return during, mapped_bytes() - before
+
+out = {"before": grows()}  # glibc's defaults
+assert apply_cpu_allocator(sys.argv[1]) is None
+out["after"] = grows()
+print(json.dumps(out))
+"""
+
+
+@glibc
+@pytest.mark.parametrize("choice", ["reuse", "system"])
+def test_reuse_keeps_large_tensors_off_their_own_mappings(choice):
+    done = subprocess.run([sys.executable, "-c", PROBE, choice], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout.splitlines()[-1])
+    # glibc's defaults: the tensor gets a mapping of its own, which its free unmaps (the next step faults it in anew).
+    assert out["before"][0] >= 64 << 20 and out["before"][1] == 0
+    if choice == "reuse":
+        assert out["after"] == [0, 0]  # from the heap, and back to it
+    else:
+        assert out["after"] == out["before"]  # `system` changes nothing
+
+
+def test_off_glibc_says_why_and_changes_nothing(monkeypatch):
+    monkeypatch.setattr(cpu_memory, "_glibc", lambda: None)
+    assert "not glibc" in apply_cpu_allocator("reuse")
+    assert apply_cpu_allocator("system") is None
+    assert mapped_bytes() == -1
+
+
+def test_unknown_choice_is_refused():
+    with pytest.raises(ValueError, match="trainer.cpu_allocator='tcmalloc' is not one of reuse, system"):
+        apply_cpu_allocator("tcmalloc")
+
+
+def test_a_cpu_training_run_applies_its_choice(tmp_path, monkeypatch):
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from megalm.config import conf_dir, register_configs
+    from megalm.train import run
+
+    register_configs()
+    seen = []
+    monkeypatch.setattr(cpu_memory, "apply_cpu_allocator", lambda choice: seen.append(choice) or "a reason")
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=[
+            "model=gpt_tiny", "data=mock", "logging.curves=false", "trainer.max_steps=1", "trainer.eval_interval=0",
+            "trainer.progress_bar=false", "trainer.num_threads=1", "trainer.cpu_allocator=system"]))
+    run(cfg, tmp_path)
+    assert seen == ["system"]
