@@ -421,7 +421,8 @@ def pct(x):
 def report(out, args):
     sh, p = out["shape"], args.pp
     print(f"model {args.model} x {sh['layers']} layers, hidden {sh['hidden']}, heads {sh['heads']}, seq {sh['seq']}, "
-          f"vocab {sh['vocab']}; fp32, AdamW; micro-batch {args.micro_batch}; pp={p} gloo ranks x 1 core; "
+          f"vocab {sh['vocab']}; fp32, AdamW; micro-batch {args.micro_batch}; pp={p} gloo ranks x 1 core, cpu allocator "
+          f"{args.cpu_allocator}; "
           f"{args.rounds} rounds x {args.steps} steps after {args.warmup} warm-up; {out['cores']} cores; "
           f"torch {out['torch']}")
     for m, rate in out["single_tokens_per_s"].items():
