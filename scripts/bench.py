@@ -12,6 +12,8 @@ per-round tokens/s, the ratio of the two medians and the median of the per-round
 
 With --modes, each mode is one more pair of runs (megalm and HF from the same weights) in the same
 alternating rounds, so every ratio between two runs is measured side by side.
+The process's malloc policy (--cpu-allocator, by default the trainer's `reuse`) holds for both models
+alike; comparing two policies takes two runs.
 """
 
 from __future__ import annotations
