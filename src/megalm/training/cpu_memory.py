@@ -5,8 +5,8 @@ it is freed, and it hands the top of its heap back to the OS once more than the 
 free there. A CPU training step frees and allocates the same large tensors every step (the logits,
 their gradient, the activations), so under those defaults it writes into fresh pages each time: one
 page fault per 4 KiB page, and zeroing by the kernel. A 64 MiB matmul output measured about 20 ms
-slower into a fresh tensor than into a reused one on this project's 2-core CPU (docs/PERFORMANCE.md,
-"The CPU allocator"). PyTorch's CPU allocator calls malloc; it keeps no cache of its own.
+slower into a fresh tensor than into a reused one on the 2-core CPU of docs/PERFORMANCE.md ("The
+CPU allocator"). PyTorch's CPU allocator calls malloc; it keeps no cache of its own.
 
 `reuse` (the default on CPU) turns off malloc's own mappings and its trimming (glibc's `mallopt`), so
 memory freed in a step stays in the process for the next step: the process keeps its peak, as CUDA's
@@ -19,24 +19,22 @@ from inside a running process.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 from typing import Optional
-
-log = logging.getLogger("megalm.train")
 
 CHOICES = ("reuse", "system")
 
 # glibc's <malloc.h>
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
-_INT_MAX = 2 ** 31 - 1  # mallopt takes an int
+_NEVER = -1  # as M_TRIM_THRESHOLD: trimming off (mallopt(3))
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
     """This process's C library when it is glibc (mallopt's parameters are glibc's), else None."""
     try:
-        os.confstr("CS_GNU_LIBC_VERSION")  # glibc alone answers this
+        if not os.confstr("CS_GNU_LIBC_VERSION"):  # glibc alone answers this
+            return None
     except (ValueError, OSError, AttributeError):
         return None
     libc = ctypes.CDLL(None)
@@ -54,7 +52,7 @@ def apply_cpu_allocator(choice: str) -> Optional[str]:
     if libc is None:
         return "the C library is not glibc, so its malloc is left as it is"
     # Blocks of any size from the heap (none mapped on their own), and a heap that is never trimmed.
-    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _INT_MAX)):
+    if not (libc.mallopt(_M_MMAP_MAX, 0) and libc.mallopt(_M_TRIM_THRESHOLD, _NEVER)):
         return "glibc's mallopt refused the settings"
     return None
 
