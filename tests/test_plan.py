@@ -68,18 +68,21 @@ def test_positions_hold_what_real_ranks_hold(layout):
     assert planned == {rank: n for rank, n in enumerate(held)}
 
 
-def test_cli_table_and_json():
-    args = [sys.executable, "-m", "megalm.plan", "model=gpt_tiny", "data=mock", "parallel=pp2",
-            "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
-    table = subprocess.run(args, capture_output=True, text=True, timeout=300)
+def test_cli_table_and_json(capsys):
+    """The command line once (the table); --json and a refused layout through the same main, in this process."""
+    from megalm.plan import main
+    args = ["model=gpt_tiny", "data=mock", "parallel=pp2", "trainer.micro_batch_size=2", "trainer.global_batch_size=4"]
+    table = subprocess.run([sys.executable, "-m", "megalm.plan", *args], capture_output=True, text=True, timeout=300)
     assert table.returncode == 0, table.stderr
     assert "gpt_tiny at tp1 pp2 dp1 (2 ranks, 1f1b x1)" in table.stdout and "model state kB" in table.stdout
     assert "No step time on cluster=local" in table.stdout  # the local profile gives no peak or bandwidth
-    out = json.loads(subprocess.run(args + ["--json"], capture_output=True, text=True, timeout=300).stdout)
+    main(args + ["--json"])
+    out = json.loads(capsys.readouterr().out)
     assert [q["stage"] for q in out["positions"]] == [0, 1]
-    bad = subprocess.run([sys.executable, "-m", "megalm.plan", "model=gpt_tiny", "parallel.tp=3"], capture_output=True,
-                         text=True, timeout=300)
-    assert bad.returncode != 0 and "megalm.plan" in bad.stderr and "tp" in bad.stderr
+    with pytest.raises(SystemExit) as bad:
+        main(["model=gpt_tiny", "parallel.tp=3"])
+    err = capsys.readouterr().err
+    assert bad.value.code != 0 and "megalm.plan" in err and "tp" in err
 
 
 @pytest.mark.parametrize("override,expected", [
