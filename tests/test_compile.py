@@ -35,3 +35,19 @@ def test_granularity_picks_the_modules(mode, compiled):
     targets = [model] if mode == "model" else list(model.blocks.values()) if mode == "blocks" else []
     assert all(t._compiled_call_impl is not None for t in targets)
     assert sum(m._compiled_call_impl is not None for m in model.modules()) == compiled
+
+
+def test_a_compiled_rope_model_compiles_once_for_training_and_once_for_eval(tmp_path):
+    """Dynamo guards on the state a forward reads: a table cached on the first call would fail the guards
+    on the second and compile the whole model again. Grad mode is a guard of its own, so evaluation
+    (under no_grad) rightly gets a second graph; nothing else may add one."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+    from test_parallel_model import BASE, LLAMA, load
+    from megalm.train import run
+    counters.clear()
+    run(load(*BASE, *LLAMA, "model.num_layers=1", "trainer.max_steps=3", "trainer.compile=model",
+             "trainer.compile_backend=aot_eager"), tmp_path, 1)
+    assert counters["stats"]["unique_graphs"] == 2
+    assert not counters["graph_break"]
+    torch._dynamo.reset()

@@ -115,6 +115,10 @@ class GPT(nn.Module):
     def rope(self, length: int, device: torch.device):
         if self.cfg.position_embedding != "rope":
             return None
+        if torch.compiler.is_compiling():
+            # Traced into the graph: a cache filled on the first call would fail the compiled graph's guards on
+            # the second and compile the whole forward again.
+            return rope_tables(self.cfg.head_dim, length, self.cfg.rope_theta, device)
         key = (device, length)
         if key not in self._rope:
             # Tables are recomputed rather than stored as buffers so meta-device init needs no fix-up.
