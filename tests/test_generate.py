@@ -2,7 +2,7 @@
 traceback; the cap that the model's context puts on generation is said up front.
 
 The CLI runs as a subprocess on one tiny run (null tokenizer over 256 ids, model.seq_length=32),
-trained once for the whole file.
+trained once for the whole file; the other error paths call the same `main` in this process.
 """
 
 import argparse
@@ -38,13 +38,25 @@ def first_line(r):
     return r.stderr.splitlines()[0] if r.stderr else ""
 
 
+def generate_here(capsys, *args):
+    """`main` as the command line runs it, in this process: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main(list(map(str, args)))
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
 @pytest.mark.parametrize("option,message", [
     (["--top-p", "1.5"], "--top-p=1.5 must be in (0, 1]"),
     (["--temperature", "-1"], "--temperature=-1 must be >= 0 (0 = greedy)"),
     (["--max-new-tokens", "0"], "--max-new-tokens=0 must be >= 1"),
 ])
-def test_an_option_out_of_range_names_its_range(run_dir, option, message):
-    r = generate(run_dir, *option)
+def test_an_option_out_of_range_names_its_range(run_dir, capsys, option, message):
+    r = generate_here(capsys, run_dir, *option)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert first_line(r) == f"megalm.generate: invalid config: {message}"
 
@@ -63,8 +75,8 @@ def test_every_option_is_checked(name, value, message):
     assert str(e.value).startswith(message)
 
 
-def test_a_prompt_id_outside_the_vocabulary_is_named_with_the_vocabulary_size(run_dir):
-    r = generate(run_dir, "--prompt", "1 2 99999")
+def test_a_prompt_id_outside_the_vocabulary_is_named_with_the_vocabulary_size(run_dir, capsys):
+    r = generate_here(capsys, run_dir, "--prompt", "1 2 99999")
     assert r.returncode == 1 and "Traceback" not in r.stderr and r.stdout == ""
     assert first_line(r) == (f"megalm.generate: invalid config: --prompt has token id 99999, outside the "
                              f"vocabulary of {VOCAB} ids (0..{VOCAB - 1})")
@@ -86,8 +98,8 @@ def test_the_context_cap_is_said_up_front_and_honoured(run_dir, capsys):
     assert short.out.split() == words[:len(short.out.split())]  # greedy: the same first tokens
 
 
-def test_a_prompt_that_fills_the_context_is_an_error(run_dir):
-    r = generate(run_dir, "--prompt", " ".join(map(str, range(1, SEQ))))  # 31 ids + the eod = 32
+def test_a_prompt_that_fills_the_context_is_an_error(run_dir, capsys):
+    r = generate_here(capsys, run_dir, "--prompt", " ".join(map(str, range(1, SEQ))))  # 31 ids + the eod = 32
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert first_line(r) == (f"megalm.generate: invalid config: --prompt is {SEQ} tokens (with the end-of-document "
                              f"token put before it) and model.seq_length={SEQ} leaves no room to generate: allowed: "
@@ -99,16 +111,15 @@ def test_missing_run_dir_config_or_checkpoint_is_one_line(run_dir, tmp_path, cap
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert first_line(r).startswith(f"megalm.generate: not found: {tmp_path / 'nowhere'} does not exist")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SystemExit) as e:  # in process from here on: the same main, without a new interpreter
-        main([str(tmp_path / "empty")])
-    assert e.value.code == 1
-    assert capsys.readouterr().err.startswith(
+    r = generate_here(capsys, tmp_path / "empty")  # in process from here on: the same main, without a new interpreter
+    assert r.returncode == 1
+    assert r.stderr.startswith(
         f"megalm.generate: not found: {tmp_path / 'empty' / 'config.yaml'} does not exist")
     no_ckpt = tmp_path / "no_ckpt"
     no_ckpt.mkdir()
     for name in ("config.yaml", "tokenizer.json"):
         shutil.copy(run_dir / name, no_ckpt / name)
-    r = generate(no_ckpt)
+    r = generate_here(capsys, no_ckpt)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert first_line(r).startswith(
         f"megalm.generate: not found: no complete checkpoint under {no_ckpt / 'checkpoints'}")
