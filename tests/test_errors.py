@@ -1,4 +1,8 @@
-"""The error path as a user meets it: the real command, its exit code, and the first lines it prints.
+"""The error path as a user meets it: the command's exit code, and the first lines it prints.
+
+The real command runs where the path crosses a process (the launcher and its ranks, a signal, a kill, a
+traceback on request) and for one mistake of each stage (composition, validation); the others call the
+same entry, run_hydra_app over train's Hydra app, in this process, which spares a torch import a case.
 
 A megalm error is one line (or a short list) starting `megalm: <kind>:`, never a traceback or
 Hydra's HYDRA_FULL_ERROR footer; a run that goes wrong stops with a non-zero exit; a rejected
@@ -68,16 +72,21 @@ COMPOSE_MISTAKES = [
 
 
 def in_process(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
-    """`python -m megalm.train args` for a mistake found before the task runs, called in this process."""
+    """`python -m megalm.train args`, called in this process: its exit code (0 when the task returns),
+    stdout and stderr."""
     from megalm.cli import run_hydra_app
     from megalm.train import hydra_main
     for var in ("MEGALM_FULL_ERROR", "HYDRA_FULL_ERROR"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", ["megalm.train", *args])
-    with pytest.raises(SystemExit) as stop:
+    capsys.readouterr()
+    try:
         run_hydra_app(hydra_main)
+        code = 0
+    except SystemExit as stop:
+        code = stop.code
     captured = capsys.readouterr()
-    return subprocess.CompletedProcess(args, stop.value.code, captured.out, captured.err)
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
 
 @pytest.mark.parametrize("override,expected", COMPOSE_MISTAKES)
@@ -92,8 +101,8 @@ def test_composition_mistakes_are_one_line(tmp_path, monkeypatch, capsys, overri
     ("trainer.precision=fp64", ["trainer.precision='fp64' is not one of fp32, bf16, fp16, fp8"]),
     ("model=bert_tiny model.norm_position=middle", ["model.norm_position='middle' is not one of pre, post"]),
 ])
-def test_config_mistakes_are_one_line(tmp_path, override, expected):
-    r = cli(*MOCK, *override.split(), f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_config_mistakes_are_one_line(tmp_path, monkeypatch, capsys, override, expected):
+    r = in_process(monkeypatch, capsys, *MOCK, *override.split(), f"hydra.run.dir={tmp_path / 'run'}")
     assert_megalm_error(r, "invalid config", *expected)
     assert not (tmp_path / "run" / "config.yaml").exists()
 
@@ -168,20 +177,22 @@ def snapshot(run_dir: Path):
             if p.is_file() and p.name != "train.log"}
 
 
-def test_resume_with_another_tokenizer_is_refused_and_changes_nothing(trained, corpus_a, tokenizers, tmp_path):
+def test_resume_with_another_tokenizer_is_refused_and_changes_nothing(monkeypatch, capsys, trained, corpus_a,
+                                                                       tokenizers, tmp_path):
     before = snapshot(trained)
     assert {"config.yaml", "tokenizer.model", "metrics.jsonl", "checkpoints/latest"} <= set(before)
-    r = cli(*QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=4",
-            f"hydra.run.dir={trained}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=4",
+                   f"hydra.run.dir={trained}")
     a, b = (SentencePieceTokenizer(tokenizers[k]).identity for k in "ab")
     assert_megalm_error(r, "checkpoint", "was trained with tokenizer", a, b, str(tokenizers["b"]))
     assert snapshot(trained) == before
 
 
-def test_resume_with_another_model_is_refused_and_changes_nothing(trained, corpus_a, tokenizers, tmp_path):
+def test_resume_with_another_model_is_refused_and_changes_nothing(monkeypatch, capsys, trained, corpus_a, tokenizers,
+                                                                   tmp_path):
     before = snapshot(trained)
-    r = cli(*QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=4", "model.hidden_size=64",
-            f"hydra.run.dir={trained}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=4",
+                   "model.hidden_size=64", f"hydra.run.dir={trained}")
     assert_megalm_error(r, "checkpoint", "does not fit this model config",
                         "embed.tok.weight: stored (512, 32), expected (512, 64)", max_lines=40)
     assert snapshot(trained) == before
@@ -190,18 +201,19 @@ def test_resume_with_another_model_is_refused_and_changes_nothing(trained, corpu
     assert g.returncode == 0, g.stderr[-3000:]  # the run directory still generates
 
 
-def test_resuming_a_finished_run_says_there_is_nothing_to_do(trained, corpus_a, tokenizers, tmp_path):
+def test_resuming_a_finished_run_says_there_is_nothing_to_do(monkeypatch, capsys, trained, corpus_a, tokenizers,
+                                                              tmp_path):
     before = snapshot(trained)
-    r = cli(*QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=1",
-            f"hydra.run.dir={trained}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *QUICK, *indexed(corpus_a, tokenizers["a"], tmp_path), "trainer.max_steps=1",
+                   f"hydra.run.dir={trained}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "nothing to train: checkpoint" in r.stdout + r.stderr and "trainer.max_steps=1" in r.stdout + r.stderr
     assert snapshot(trained) == before
 
 
-def test_corpus_of_another_tokenizer_is_refused(corpus_a, tokenizers, tmp_path):
-    r = cli(*QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=1",
-            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_corpus_of_another_tokenizer_is_refused(monkeypatch, capsys, corpus_a, tokenizers, tmp_path):
+    r = in_process(monkeypatch, capsys, *QUICK, *indexed(corpus_a, tokenizers["b"], tmp_path), "trainer.max_steps=1",
+                   f"hydra.run.dir={tmp_path / 'run'}")
     a, b = (SentencePieceTokenizer(tokenizers[k]).identity for k in "ab")
     assert_megalm_error(r, "data", f"{corpus_a} was tokenized with {a}", b)
     assert not (tmp_path / "run" / "config.yaml").exists()
@@ -213,7 +225,7 @@ def test_corpus_of_another_tokenizer_is_refused(corpus_a, tokenizers, tmp_path):
     ("bad_magic", "data", ["docs.idx: bad magic"]),
     ("missing_tokenizer", "not found", ["sentencepiece model", "does not exist"]),
 ])
-def test_damaged_data_files_are_named(corpus_a, tokenizers, tmp_path, damage, kind, expected):
+def test_damaged_data_files_are_named(monkeypatch, capsys, corpus_a, tokenizers, tmp_path, damage, kind, expected):
     import shutil
     prefix = tmp_path / "docs"
     for ext in (".bin", ".idx", ".megalm.json"):
@@ -229,8 +241,8 @@ def test_damaged_data_files_are_named(corpus_a, tokenizers, tmp_path, damage, ki
             f.write(b"NOTMAGIC")
     else:
         tokenizer = tmp_path / "missing.model"
-    r = cli(*QUICK, *indexed(prefix, tokenizer, tmp_path), "trainer.max_steps=1",
-            f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *QUICK, *indexed(prefix, tokenizer, tmp_path), "trainer.max_steps=1",
+                   f"hydra.run.dir={tmp_path / 'run'}")
     assert_megalm_error(r, kind, *expected)
 
 
@@ -244,13 +256,14 @@ def mock_run(tmp_path_factory):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
-def test_cuda_without_a_gpu(tmp_path):
-    r = cli(*MOCK, "trainer.device=cuda", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_cuda_without_a_gpu(monkeypatch, capsys, tmp_path):
+    r = in_process(monkeypatch, capsys, *MOCK, "trainer.device=cuda", f"hydra.run.dir={tmp_path / 'run'}")
     assert_megalm_error(r, "device", "trainer.device=cuda", "no CUDA device")
 
 
-def test_missing_and_damaged_checkpoints(mock_run, tmp_path):
-    r = cli(*MOCK, f"checkpoint.load={tmp_path / 'nowhere'}", f"hydra.run.dir={tmp_path / 'a'}", cwd=tmp_path)
+def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
+    r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
+                   f"hydra.run.dir={tmp_path / 'a'}")
     assert_megalm_error(r, "not found", f"no checkpoint at {tmp_path / 'nowhere'}")
     import shutil
     damaged = tmp_path / "step_00000001"
@@ -258,7 +271,7 @@ def test_missing_and_damaged_checkpoints(mock_run, tmp_path):
     with open(damaged / ".metadata", "r+b") as f:
         f.seek(20)
         f.write(b"\xff\xff\xff")
-    r = cli(*MOCK, f"checkpoint.load={damaged}", f"hydra.run.dir={tmp_path / 'b'}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={damaged}", f"hydra.run.dir={tmp_path / 'b'}")
     assert_megalm_error(r, "checkpoint", f"checkpoint {damaged} failed verification", ".metadata: CRC-32")
 
 
@@ -274,10 +287,10 @@ def test_a_failing_rank_reports_like_a_single_process(tmp_path):
 
 # -- runs that go wrong --------------------------------------------------------------------------
 
-def test_diverged_training_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+def test_diverged_training_stops_and_keeps_the_last_good_checkpoint(monkeypatch, capsys, tmp_path):
     run_dir = tmp_path / "run"
-    r = cli(*MOCK, "optimizer.lr=1e3", "trainer.max_steps=40", "checkpoint.interval=2", "checkpoint.keep_last=0",
-            f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    r = in_process(monkeypatch, capsys, *MOCK, "optimizer.lr=1e3", "trainer.max_steps=40", "checkpoint.interval=2",
+                   "checkpoint.keep_last=0", f"hydra.run.dir={run_dir}")
     assert_megalm_error(r, "training stopped", "the gradient norm is", "it diverged", "Lower optimizer.lr")
     bad_step = int(r.stderr.split("step ", 1)[1].split(":", 1)[0])
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -287,9 +300,9 @@ def test_diverged_training_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     assert max(steps_of(run_dir)) < bad_step
 
 
-def test_fp16_that_keeps_overflowing_stops(tmp_path):
-    r = cli(*MOCK, "optimizer.lr=1e3", "trainer.max_steps=200", "trainer.precision=fp16",
-            "trainer.max_consecutive_skips=8", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_fp16_that_keeps_overflowing_stops(monkeypatch, capsys, tmp_path):
+    r = in_process(monkeypatch, capsys, *MOCK, "optimizer.lr=1e3", "trainer.max_steps=200", "trainer.precision=fp16",
+                   "trainer.max_consecutive_skips=8", f"hydra.run.dir={tmp_path / 'run'}")
     assert_megalm_error(r, "training stopped", "8 fp16 steps in a row overflowed", "trainer.max_consecutive_skips=8")
 
 
