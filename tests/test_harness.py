@@ -116,3 +116,26 @@ def test_requests_at_tp2_and_pp2_equal_the_single_process(run, tmp_path):
         MegalmLM(str(run_dir), tp=2)
     with pytest.raises(ConfigError, match=r"--tp 3 must divide the model's 4 attention heads"):
         run_harness(run_dir, ["x"], tp=3)
+
+
+def test_tasks_in_the_include_path_alone_skip_the_harness_index(tmp_path):
+    """When --include-path holds every task asked for, only that folder is indexed (the harness's ~15,000 own
+    task files take seconds); a task from outside it brings the harness's own index back."""
+    from lm_eval.tasks import TaskManager
+    from megalm.evaluate.harness import _task_manager
+    (tmp_path / "mine.yaml").write_text("task: megalm_mine\ndataset_path: json\noutput_type: multiple_choice\n")
+    built = []
+
+    class Recording(TaskManager):
+        def __init__(self, **kwargs):
+            built.append(kwargs.get("include_defaults", True))
+            super().__init__(**{**kwargs, "include_defaults": False})  # the full index is not needed to test the choice
+
+    local = _task_manager(Recording, ["megalm_mine"], str(tmp_path))
+    assert built == [False] and "megalm_mine" in local.all_tasks
+    built.clear()
+    _task_manager(Recording, ["megalm_mine", "hellaswag"], str(tmp_path))
+    assert built == [False, True]
+    built.clear()
+    _task_manager(Recording, ["hellaswag"], None)
+    assert built == [True]
