@@ -18,6 +18,10 @@ sharded by sequence. The conjugate pairs here:
 A group of size 1, or None, makes every one of them the identity (the input object returned),
 so tp=1 runs the serial code exactly. `count_comm()` records what goes over the wire;
 `time_comm(clock)` times it for the step-time breakdown (megalm.training.step_time).
+
+Inside a graph torch.compile traces (trainer.compile), the tensor-parallel operators issue PyTorch's
+functional collectives instead, which dynamo records in the graph rather than breaking it around each
+call; there nothing is counted or timed (a trace runs once, its graph many times).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import Tensor
 
 # Newer torch renamed the *_tensor collectives; use whichever this build has, without warnings.
@@ -66,6 +71,11 @@ class CommStats:
 
 
 _STATS: contextvars.ContextVar[Optional[CommStats]] = contextvars.ContextVar("megalm_comm_stats", default=None)
+
+
+def _open_stats() -> Optional[CommStats]:
+    """The open count_comm() block's stats; None inside a compiled trace (dynamo cannot read contextvars)."""
+    return None if torch.compiler.is_compiling() else _STATS.get()
 
 
 @contextlib.contextmanager
@@ -225,6 +235,8 @@ def _check_divisible(x: Tensor, dim: int, world: int, what: str) -> None:
 def _all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM, stats=None) -> Tensor:
     # Out of place: the input may be saved by another node or be a gradient autograd hands to
     # several consumers, so it must not change under them.
+    if torch.compiler.is_compiling():
+        return funcol.all_reduce(x, "max" if op == dist.ReduceOp.MAX else "sum", group)
     out = x.clone(memory_format=torch.contiguous_format)
     with _record("all_reduce", _nbytes(out), stats):
         dist.all_reduce(out, op=op, group=group)
@@ -235,6 +247,8 @@ def _all_gather(x: Tensor, group, dim: int, stats=None) -> Tensor:
     world = group_size(group)
     # all_gather_single concatenates along dim 0; move `dim` there and back.
     xt = x.movedim(dim, 0).contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_tensor(xt, 0, group).movedim(0, dim).contiguous()
     out = torch.empty((world * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     with _record("all_gather", _nbytes(xt), stats):
         _all_gather_single(out, xt, group=group)
@@ -256,6 +270,8 @@ def _reduce_scatter_via_all_reduce(xt: Tensor, group) -> Tensor:
 def _reduce_scatter(x: Tensor, group, dim: int, stats=None) -> Tensor:
     world = group_size(group)
     xt = x.movedim(dim, 0).contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.reduce_scatter_tensor(xt, "sum", 0, group).movedim(0, dim).contiguous()
     out = torch.empty((xt.shape[0] // world,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
     with _record("reduce_scatter", _nbytes(xt), stats):
         try:
@@ -275,6 +291,8 @@ def _own_chunk(x: Tensor, group, dim: int) -> Tensor:
 def all_reduce_max(x: Tensor, group) -> Tensor:
     """Element-wise max over the group, in place on x (no autograd); returns x."""
     if group_size(group) > 1:
+        if torch.compiler.is_compiling():
+            return x.copy_(funcol.all_reduce(x, "max", group))
         with _record("all_reduce", _nbytes(x)):
             dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
     return x
@@ -283,6 +301,8 @@ def all_reduce_max(x: Tensor, group) -> Tensor:
 def all_reduce_sum(x: Tensor, group) -> Tensor:
     """Element-wise sum over the group, in place on x (no autograd); returns x."""
     if group_size(group) > 1:
+        if torch.compiler.is_compiling():
+            return x.copy_(funcol.all_reduce(x, "sum", group))
         with _record("all_reduce", _nbytes(x)):
             dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
     return x
@@ -322,7 +342,7 @@ class _CopyToTP(torch.autograd.Function):
     # ranks' partial gradients.
     @staticmethod
     def forward(ctx, x, group):
-        ctx.group, ctx.stats = group, _STATS.get()
+        ctx.group, ctx.stats = group, _open_stats()
         return x.view_as(x)
 
     @staticmethod
@@ -357,7 +377,7 @@ class _ScatterDim(torch.autograd.Function):
     # Take this rank's chunk (no comm); the gradient of the whole is the gathered chunk grads.
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.stats = group, dim, _STATS.get()
+        ctx.group, ctx.dim, ctx.stats = group, dim, _open_stats()
         return _own_chunk(x, group, dim)
 
     @staticmethod
@@ -370,7 +390,7 @@ class _GatherSeq(torch.autograd.Function):
     # produces a partial dL/dx for the whole sequence, which is summed and re-split by sequence.
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.stats = group, dim, _STATS.get()
+        ctx.group, ctx.dim, ctx.stats = group, dim, _open_stats()
         return _all_gather(x, group, dim)
 
     @staticmethod
@@ -383,7 +403,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
     # the gradient of the full partial output is the gathered gradient of the chunks.
     @staticmethod
     def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim, ctx.stats = group, dim, _STATS.get()
+        ctx.group, ctx.dim, ctx.stats = group, dim, _open_stats()
         return _reduce_scatter(x, group, dim)
 
     @staticmethod

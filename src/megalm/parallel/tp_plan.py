@@ -67,8 +67,16 @@ class ForkRNG(nn.Module):
         self._rng = rng  # not a submodule: it holds no parameters or buffers
 
     def forward(self, *args, **kwargs):
+        if not self._draws():  # the stream would come back unchanged; skipping also keeps a compiled graph whole
+            return self.inner(*args, **kwargs)
         with self._rng.fork(self.stream):
             return self.inner(*args, **kwargs)
+
+    def _draws(self) -> bool:
+        """Whether the inner module may draw random numbers now: not dropout (nn.Dropout's `p`, an
+        attention core's `attention_dropout`) that is 0 or in eval mode; any other module may."""
+        p = getattr(self.inner, "p", getattr(self.inner, "attention_dropout", None))
+        return p is None or (p > 0 and self.inner.training)
 
 
 class VocabParallelLMLoss(nn.Module):

@@ -8,6 +8,10 @@ Two granularities, as the two reference frameworks do it:
 Modules are compiled in place (nn.Module.compile), so parameter names, checkpoints, the optimizer and
 the data-parallel gradient hooks see the same modules as eagerly.
 
+Tensor and sequence parallelism compile into whole graphs: their collectives are traced as functional
+collectives (megalm.distributed.comm), and a tp dropout stream is forked only where dropout draws.
+Recomputation (torch.utils.checkpoint) still breaks the graph around each recomputed module.
+
 Dynamo falls back to eager execution by itself around what it cannot trace (a graph break); the count
 of breaks and the compilation time are logged after the first step and written in the next metrics
 record (`compile_stats`). A backend that cannot run at all here (inductor on CPU without a C++
