@@ -10,6 +10,7 @@ resume leaves the run directory as it was.
 """
 
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -80,11 +81,21 @@ def in_process(monkeypatch, capsys, *args) -> subprocess.CompletedProcess:
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(sys, "argv", ["megalm.train", *args])
     capsys.readouterr()
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
     try:
         run_hydra_app(hydra_main)
         code = 0
     except SystemExit as stop:
         code = stop.code
+    finally:
+        # Hydra's job logging gave the root logger handlers on this test's captured streams and its run
+        # directory: left behind, later tests' records would go to closed files.
+        for handler in root.handlers:
+            if handler not in handlers:
+                handler.close()
+        root.handlers[:] = handlers
+        root.setLevel(level)
     captured = capsys.readouterr()
     return subprocess.CompletedProcess(args, code, captured.out, captured.err)
 
