@@ -29,11 +29,15 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     inner = module.forward
 
     def forward(*args):
-        saved = rng.state_dict() if rng is not None else None
+        if rng is None or not _draws_from_tp_stream(module):
+            # Nothing to replay by hand: a plain checkpoint, which torch.compile can also trace (the replay
+            # bookkeeping below is a side effect its checkpoint operator refuses, so it breaks the graph there).
+            return checkpoint(inner, *args, use_reentrant=False)
+        saved = rng.state_dict()
         calls = []
 
         def run(*a):
-            if calls and saved is not None:  # the replay in backward: same tp-stream draws as the forward
+            if calls:  # the replay in backward: same tp-stream draws as the forward
                 now = rng.state_dict()
                 rng.load_state_dict(saved)
                 try:
@@ -46,6 +50,13 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
         return checkpoint(run, *args, use_reentrant=False)
 
     module.forward = forward
+
+
+def _draws_from_tp_stream(module: nn.Module) -> bool:
+    """Whether a forward of `module` now draws from a tp RNG stream: one of its ForkRNG wrappers wraps dropout
+    that draws (megalm.parallel.tp_plan.ForkRNG._draws)."""
+    from megalm.parallel.tp_plan import ForkRNG
+    return any(isinstance(m, ForkRNG) and m._draws() for m in module.modules())
 
 
 def apply_recompute(model: nn.Module, cfg: ParallelConfig, layout) -> None:

@@ -10,7 +10,8 @@ the data-parallel gradient hooks see the same modules as eagerly.
 
 Tensor and sequence parallelism compile into whole graphs: their collectives are traced as functional
 collectives (megalm.distributed.comm), and a tp dropout stream is forked only where dropout draws.
-Recomputation (torch.utils.checkpoint) still breaks the graph around each recomputed module.
+Recomputation compiles too (torch.utils.checkpoint), except around a module whose tp-stream dropout it
+must replay by hand (megalm.parallel.recompute): there the graph breaks.
 
 Dynamo falls back to eager execution by itself around what it cannot trace (a graph break); the count
 of breaks and the compilation time are logged after the first step and written in the next metrics
