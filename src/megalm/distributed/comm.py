@@ -236,7 +236,9 @@ def _all_reduce(x: Tensor, group, op=dist.ReduceOp.SUM, stats=None) -> Tensor:
     # Out of place: the input may be saved by another node or be a gradient autograd hands to
     # several consumers, so it must not change under them.
     if torch.compiler.is_compiling():
-        return funcol.all_reduce(x, "max" if op == dist.ReduceOp.MAX else "sum", group)
+        if op != dist.ReduceOp.SUM and op != dist.ReduceOp.MAX:
+            raise ValueError(f"_all_reduce in a compiled graph takes ReduceOp SUM or MAX, not {op}")
+        return funcol.all_reduce(x, "sum" if op == dist.ReduceOp.SUM else "max", group)
     out = x.clone(memory_format=torch.contiguous_format)
     with _record("all_reduce", _nbytes(out), stats):
         dist.all_reduce(out, op=op, group=group)
