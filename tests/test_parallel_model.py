@@ -165,7 +165,7 @@ def test_layout_matches_single_process(single, layout_runs, index):
     assert all(r == pytest.approx(ref_val[-1], rel=1e-5) for r in results)  # every rank returns it
     assert ref_val[-1] != ref_val[0]  # the steps really changed the weights (fixed validation samples)
     if any(o.startswith("trainer.compile=") for o in LAYOUTS[index][1]):
-        assert compiled_graphs(tmp_path) > 0  # compiled, not silently eager
+        assert compile_record(tmp_path)["compile_graphs"] > 0  # compiled, not silently eager
         # Whole graphs: tp / sp's collectives are traced (functional collectives), and a recomputed module with
         # no tp dropout to replay is a plain checkpoint, not run eagerly around graph breaks.
         assert compile_record(tmp_path)["compile_graph_breaks"] == 0
@@ -175,11 +175,6 @@ def compile_record(run_dir: Path) -> dict:
     """What trainer.compile built in a run, from its first metrics record after step 1."""
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return next(r for r in recs if "compile_graphs" in r)
-
-
-def compiled_graphs(run_dir: Path) -> int:
-    """The graphs trainer.compile built in a run."""
-    return compile_record(run_dir)["compile_graphs"]
 
 
 def test_inductor_compiled_blocks_train_like_eager(single, tmp_path):
@@ -193,7 +188,7 @@ def test_inductor_compiled_blocks_train_like_eager(single, tmp_path):
     ref_train, ref_val, ref_norms = single["llama"]
     assert train == pytest.approx(ref_train, rel=1e-5) and val == pytest.approx(ref_val, rel=1e-5)
     assert grad_norms(tmp_path) == pytest.approx(ref_norms, rel=1e-4)
-    assert compiled_graphs(tmp_path) > 0
+    assert compile_record(tmp_path)["compile_graphs"] > 0
 
 
 def parallel_model(cfg, world: int):

@@ -26,10 +26,13 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     The forward is replaced on the instance rather than the module wrapped, so parameter names
     (`blocks.3.attn.qkv.weight`) stay the same with and without recomputation.
     """
+    from megalm.parallel.tp_plan import ForkRNG
     inner = module.forward
+    # Tensor parallelism wrapped the module before recomputation does (megalm.parallel.parallelize).
+    forks = [m for m in module.modules() if isinstance(m, ForkRNG)] if rng is not None else []
 
     def forward(*args):
-        if rng is None or not _draws_from_tp_stream(module):
+        if not any(fork._draws() for fork in forks):
             # Nothing to replay by hand: a plain checkpoint, which torch.compile can also trace (the replay
             # bookkeeping below is a side effect its checkpoint operator refuses, so it breaks the graph there).
             return checkpoint(inner, *args, use_reentrant=False)
@@ -50,13 +53,6 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
         return checkpoint(run, *args, use_reentrant=False)
 
     module.forward = forward
-
-
-def _draws_from_tp_stream(module: nn.Module) -> bool:
-    """Whether a forward of `module` now draws from a tp RNG stream: one of its ForkRNG wrappers wraps dropout
-    that draws (megalm.parallel.tp_plan.ForkRNG._draws)."""
-    from megalm.parallel.tp_plan import ForkRNG
-    return any(isinstance(m, ForkRNG) and m._draws() for m in module.modules())
 
 
 def apply_recompute(model: nn.Module, cfg: ParallelConfig, layout) -> None:
