@@ -26,6 +26,10 @@ each m (micro-batches per step) it measures per rank:
 - the bytes every stage sends across a rank boundary per micro-batch (the activation forward,
   its gradient backward), checked against micro_batch x seq x hidden x 4 bytes (fp32).
 
+Before the rounds, the ranks measure the figures megalm.plan's bubble is computed from: their matmul
+rate, their memory bandwidth, and a boundary message's time and the CPU time it takes from each end
+(a ping-pong of one activation). The plan's bubble is printed against the measured spreads.
+
 Each round also times the single-process model (rank 0 alone, all cores) at the largest m.
 Rounds run the (schedule, m) cells forward and backward in turn, so drift on a noisy machine
 hits all of them alike; the tables report medians over rounds of per-round values (a warm-up
@@ -207,6 +211,29 @@ def device_figures(tokens: int, hidden: int, ffn: int, repeats: int = 5) -> dict
             "bytes_per_s": 2 * src.numel() * 4 / best(lambda: dst.copy_(src))}
 
 
+def message_figures(rank: int, world: int, shape, round_trips: int = 20) -> dict:
+    """The time of one boundary message (an fp32 activation of `shape`) between neighbouring ranks, and the
+    CPU time each message takes from a rank at either end (gloo moves it on the cores that compute):
+    ranks 2k and 2k + 1 send it back and forth `round_trips` times, twice (the first warms up); median
+    over ranks in `summarize`. A rank without a partner measures nothing (None)."""
+    peer = rank ^ 1
+    x = torch.randn(*shape)
+    if peer >= world:
+        for _ in range(2):
+            dist.barrier()
+        return {"message_s": None, "message_cpu_s": None}
+    for _ in range(2):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for i in range(2 * round_trips):
+            if i % 2 == rank % 2:
+                dist.send(x, peer)
+            else:
+                dist.recv(x, peer)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {"message_s": wall / (2 * round_trips), "message_cpu_s": cpu / (2 * round_trips)}
+
+
 def worker(rank, world, store_path, args, queue):
     try:
         queue.put((rank, "ok", _worker(rank, world, store_path, args)))
@@ -233,6 +260,7 @@ def _worker(rank, world, store_path, args):
     mc = next(iter(layouts.values()))["cfg"].model
     dist.barrier()
     device = device_figures(args.micro_batch * mc.seq_length, mc.hidden_size, mc.ffn_size)  # all ranks at once
+    device.update(message_figures(rank, world, (args.micro_batch, mc.seq_length, mc.hidden_size)))
     gen = torch.Generator().manual_seed(0)
     batches = {m: torch.randint(0, mc.vocab_size, (args.micro_batch * m, mc.seq_length + 1), generator=gen)
                for m in args.m}
@@ -353,18 +381,21 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
     return rows
 
 
-def planned_idle(args, schedule, m, device=None):
+def planned_idle(args, schedule, m, device=None, messages=True):
     """megalm.plan's bubble for this cell (megalm.plan.formulas.compute_bubble): the schedule's order
-    simulated with each stage's time and no transfer time; idle share per rank. The time is the stage's
-    FLOPs, or with `device` (the ranks' measured FLOP/s and bandwidth) FLOPs / FLOP/s plus the stage's
-    memory traffic outside the matmuls (formulas.stage_traffic: layers, embedding, heads, loss) / bandwidth."""
+    simulated with each stage's time; the share of the step each rank does not compute. The time is the
+    stage's FLOPs, or with `device` (the ranks' measured figures) FLOPs / FLOP/s plus the stage's memory
+    traffic outside the matmuls (formulas.stage_traffic: layers, embedding, heads, loss) / bandwidth, and
+    with `messages` each boundary message's measured time and the CPU time it takes from either end."""
     from megalm.plan.formulas import compute_bubble
     v = SCHEDULE_V[schedule]
     cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
                              f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",
                              f"trainer.global_batch_size={args.micro_batch * m}"])
     figures = (device["flops_per_s"], device["bytes_per_s"]) if device else ()
-    return list(compute_bubble(cfg, args.pp, m, *figures).values())
+    sent = {"message_seconds": device["message_s"], "message_cpu_seconds": device["message_cpu_s"]} \
+        if device and messages else {}
+    return list(compute_bubble(cfg, args.pp, m, *figures, **sent).values())
 
 
 def summarize(args, ranks):
@@ -374,7 +405,8 @@ def summarize(args, ranks):
     act_shape = (args.micro_batch, shape["seq"], shape["hidden"])
     act_bytes = args.micro_batch * shape["seq"] * shape["hidden"] * 4
     med = statistics.median
-    device = {k: med(rk["device"][k] for rk in ranks) for k in ("flops_per_s", "bytes_per_s")}
+    device = {k: med(rk["device"][k] for rk in ranks if rk["device"].get(k) is not None)
+              for k in ("flops_per_s", "bytes_per_s", "message_s", "message_cpu_s")}
     results = []
     for s in args.schedules:
         v = SCHEDULE_V[s]
@@ -402,6 +434,7 @@ def summarize(args, ranks):
                 "wait_share_range": [[min(1 - c / w for c, w in zip(x["compute"], x["pipe"])),
                                       max(1 - c / w for c, w in zip(x["compute"], x["pipe"]))] for x in per],
                 "planned_idle_share": planned_idle(args, s, m, device),
+                "planned_idle_share_free_messages": planned_idle(args, s, m, device, messages=False),
                 "planned_idle_share_flops_only": planned_idle(args, s, m),
                 "boundaries": check_boundaries(ranks, s, m, act_bytes, act_shape),
                 "stages": [rk["layouts"][s]["stages"] for rk in ranks],
@@ -412,6 +445,15 @@ def summarize(args, ranks):
             "boundary_bytes_analytic": act_bytes, "activation_shape": list(act_shape),
             "single_tokens_per_s": single, "single_params": ranks[0]["single_params"], "device": device,
             "results": results}
+
+
+def inside_spread(results, key: str) -> int:
+    """How many (cell, rank) plans fall inside the measured idle or wait spread, at the tables' 0.1-point
+    rounding."""
+    def inside(x, lo_hi):
+        return round(lo_hi[0], 3) <= round(x, 3) <= round(lo_hi[1], 3)
+    return sum(inside(x, idle) or inside(x, wait)
+               for r in results for x, idle, wait in zip(r[key], r["idle_share_range"], r["wait_share_range"]))
 
 
 def pct(x):
@@ -455,17 +497,24 @@ def report(out, args):
     dev = out["device"]
     print(f"\nmegalm.plan's bubble (the schedule's order simulated with each stage's time: FLOPs at the ranks' "
           f"measured matmul rate, {dev['flops_per_s'] / 1e9:.1f} GFLOP/s, plus the memory traffic outside the matmuls at their "
-          f"measured bandwidth, {dev['bytes_per_s'] / 1e9:.1f} GB/s; and FLOPs alone) against the measured spread "
-          "over rounds of the idle share and of the wait share")
-    print(f"| schedule | m | planned idle {ranks} | FLOPs only {ranks} | measured idle min-max {ranks} | "
-          f"wait share min-max {ranks} |")
-    print("|---|---|" + "---|" * (4 * p))
+          f"measured bandwidth, {dev['bytes_per_s'] / 1e9:.1f} GB/s, plus each boundary message's measured time, "
+          f"{dev['message_s'] * 1e3:.2f} ms, and the CPU time it takes from either end, {dev['message_cpu_s'] * 1e3:.2f} ms; "
+          "then with the messages free; and FLOPs alone) against the measured spread over rounds of the idle share "
+          "and of the wait share")
+    print(f"| schedule | m | planned idle {ranks} | messages free {ranks} | FLOPs only {ranks} | "
+          f"measured idle min-max {ranks} | wait share min-max {ranks} |")
+    print("|---|---|" + "---|" * (5 * p))
     span = lambda lo_hi: f"{pct(lo_hi[0])}-{pct(lo_hi[1])}"  # noqa: E731
     for r in out["results"]:
         print(f"| {r['schedule']} | {r['m']} | " + " | ".join(pct(x) for x in r["planned_idle_share"]) + " | "
+              + " | ".join(pct(x) for x in r["planned_idle_share_free_messages"]) + " | "
               + " | ".join(pct(x) for x in r["planned_idle_share_flops_only"]) + " | "
               + " | ".join(span(x) for x in r["idle_share_range"]) + " | "
               + " | ".join(span(x) for x in r["wait_share_range"]) + " |")
+    cells = len(out["results"]) * p
+    for key, label in (("planned_idle_share", "planned"), ("planned_idle_share_free_messages", "messages free"),
+                       ("planned_idle_share_flops_only", "FLOPs only")):
+        print(f"{label}: inside a measured spread in {inside_spread(out['results'], key)} of {cells} cells")
     b = out["boundary_bytes_analytic"]
     print(f"\nboundary bytes per micro-batch: analytic micro_batch x seq x hidden x 4 = "
           f"{' x '.join(map(str, out['activation_shape']))} x 4 = {b:,} B (fp32)")

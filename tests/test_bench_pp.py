@@ -25,8 +25,11 @@ def test_bench_pp_quick(tmp_path, monkeypatch):
     assert out["boundary_bytes_analytic"] == act_bytes
     assert {r["schedule"] for r in out["results"]} == SCHEDULES
     assert all(rate > 0 for rate in out["single_tokens_per_s"].values())
+    assert out["device"]["message_s"] > 0 and out["device"]["message_cpu_s"] >= 0
     for r in out["results"]:
         assert r["tokens_per_s"] > 0
+        # messages can only add time the ranks spend not computing
+        assert all(a >= b - 1e-12 for a, b in zip(r["planned_idle_share"], r["planned_idle_share_free_messages"]))
         assert len(r["idle_share"]) == 2 and all(x < 1 for x in r["idle_share"]), r  # timing: no lower bound
         assert r["theory_idle_share"] == (2 - 1) / (r["m"] * r["v"] + 2 - 1)
         # one activation forward and its gradient backward per micro-batch on every cross-rank

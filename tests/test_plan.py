@@ -288,6 +288,25 @@ def test_the_memory_traffic_lengthens_each_stage_by_bytes_over_bandwidth():
     assert compute_bubble(cfg, 2, 1)[0] == pytest.approx(flops_only, rel=1e-12)
 
 
+def test_boundary_messages_lengthen_the_step_and_take_time_from_both_ends():
+    """GPipe at pp 2 with one micro-batch: F0 sends, F1 receives, B1 sends, B0 receives, each message
+    taking c from its action and arriving L after it; rank 0 computes F0 + B0 of F0 + F1 + B1 + B0 + 4c + 2L.
+    `crossings` counts a stage's messages from its neighbours' owners (ZBV's V turns on one rank)."""
+    from megalm.plan.formulas import compute_bubble, crossings, stage_work
+    cfg = _compose(*TINY, "trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe")
+    first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
+    rate, L, c = 1e9, 2e-4, 3e-4
+    f0, b0, f1, b1 = first.forward / rate, first.backward / rate, last.forward / rate, last.backward / rate
+    wall = f0 + f1 + b1 + b0 + 4 * c + 2 * L
+    got = compute_bubble(cfg, 2, 1, rate, message_seconds=L, message_cpu_seconds=c)
+    assert got[0] == pytest.approx(1 - (f0 + b0) / wall, rel=1e-12)
+    assert got[1] == pytest.approx(1 - (f1 + b1) / wall, rel=1e-12)
+    assert compute_bubble(cfg, 2, 1, rate)[0] == pytest.approx(1 - (f0 + b0) / (f0 + f1 + b1 + b0), rel=1e-12)
+    v_owner = [0, 1, 1, 0]
+    assert [crossings("F", s, v_owner) for s in range(4)] == [1, 1, 1, 1]
+    assert [crossings(k, 1, [0, 1, 0, 1]) for k in ("F", "B", "I", "W")] == [2, 2, 2, 0]
+
+
 def test_collective_times_follow_the_ring_factors():
     """Ring collectives over p ranks put 2(p-1)/p (all-reduce) or (p-1)/p (reduce-scatter of the full input,
     all-gather of the full output) of the buffer on each link (nccl-tests' bus bandwidth factors)."""

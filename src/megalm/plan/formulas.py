@@ -1958,13 +1958,28 @@ def action_seconds(work: StageWork, kind: str, rate: float, traffic: Optional[Tr
     return flops / rate + (moved / bandwidth if moved else 0.0)
 
 
+def crossings(kind: str, s: int, owner: Sequence[int]) -> int:
+    """The boundary messages pipeline action (kind, s) sends or receives across ranks: a forward takes its
+    input from stage s - 1 and hands its output to s + 1; a backward (or its input-gradient half) takes
+    the output gradient from s + 1 and hands the input gradient to s - 1; the weight-gradient half none."""
+    if kind == "W":
+        return 0
+    return sum(1 for t in (s - 1, s + 1) if 0 <= t < len(owner) and owner[t] != owner[s])
+
+
 def compute_bubble(cfg, pp: int, m: int, flops_per_second: Optional[float] = None,
-                   bytes_per_second: Optional[float] = None) -> Dict[int, float]:
-    """Each pipeline rank's idle share of the step with compute alone: the schedule's order simulated with
-    each stage's time and nothing for transfers, so unequal stages (the head on the last) count. With no
-    figures a stage's time is its FLOPs (`stage_work`); given a device's matmul FLOP/s and memory
-    bandwidth (bytes/s), each stage's memory traffic outside the matmuls (`stage_traffic`: its layers,
-    the embedding on the first, the heads and the loss on the last) is added as bytes over bandwidth."""
+                   bytes_per_second: Optional[float] = None, message_seconds: float = 0.0,
+                   message_cpu_seconds: float = 0.0) -> Dict[int, float]:
+    """Each pipeline rank's share of the step spent not computing: the schedule's order simulated with
+    each stage's time, so unequal stages (the head on the last) count. With no figures a stage's time is
+    its FLOPs (`stage_work`); given a device's matmul FLOP/s and memory bandwidth (bytes/s), each stage's
+    memory traffic outside the matmuls (`stage_traffic`: its layers, the embedding on the first, the heads
+    and the loss on the last) is added as bytes over bandwidth.
+
+    Boundary messages (one activation or its gradient, `crossings`) are free unless given: one arrives
+    `message_seconds` after it is sent, and where the ranks handle messages on the cores that compute
+    (gloo on CPU), each takes `message_cpu_seconds` from the rank at either end, time that lengthens the
+    action and counts as not computing."""
     layers = stage_layers(cfg, pp)
     S = len(layers)
     owner = stage_owner(cfg.parallel.pipeline_schedule, pp, S)
@@ -1972,10 +1987,14 @@ def compute_bubble(cfg, pp: int, m: int, flops_per_second: Optional[float] = Non
     rate = flops_per_second or 1.0
     moves = flops_per_second and bytes_per_second
     traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, 1, m) if moves else None for s, n in enumerate(layers)]
-    sim = simulate(schedule_order(cfg.parallel.pipeline_schedule, pp, S // pp, m),
-                   lambda kind, s: action_seconds(work[s], kind, rate, traffic[s], bytes_per_second if moves else None),
-                   lambda a, b: 0.0, lambda s: owner[s], S)
-    return {r: sim.idle_share(r) for r in range(pp)}
+    order = schedule_order(cfg.parallel.pipeline_schedule, pp, S // pp, m)
+
+    def seconds(kind: str, s: int) -> float:
+        compute = action_seconds(work[s], kind, rate, traffic[s], bytes_per_second if moves else None)
+        return compute + message_cpu_seconds * crossings(kind, s, owner)
+    sim = simulate(order, seconds, lambda a, b: message_seconds, lambda s: owner[s], S)
+    handling = {r: message_cpu_seconds * sum(crossings(k, s, owner) for k, s, _ in acts) for r, acts in order.items()}
+    return {r: 1.0 - (sim.busy[r] - handling[r]) / sim.step_seconds for r in range(pp)}
 
 
 def bubble_equal_stages(pp: int, m: int, v: int = 1) -> float:
