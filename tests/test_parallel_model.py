@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -218,6 +219,46 @@ def _comm_volume(rank, world, sequence_parallel):
         finalize_grads(model, mesh, layout)
         clip_grads(list(model.parameters()), 1.0, mesh["tp"].get_group())
     return fwd.calls, fwd.bytes, bwd.calls, bwd.bytes
+
+
+def _compiled_tp_dropout(rank, world, cases):
+    """Per case: the graph breaks of a compiled tp model with dropout on, and the gradients of its replicated
+    weights (the norms) after two training micro-batches, as this rank has them."""
+    import torch
+    import torch._dynamo
+    from megalm.parallel.grads import finalize_grads
+    from megalm.training.compiling import apply_compile, compile_stats
+    out = []
+    for overrides in cases:
+        cfg = load(*BASE, *LLAMA, "model.dropout=0.2", "model.attention_dropout=0.2", f"parallel=tp{world}", *overrides)
+        mesh, model, layout = parallel_model(cfg, world)
+        apply_compile(model, "model", "aot_eager", "cpu")
+        torch.manual_seed(1)  # the default generator, alike on every rank as training seeds it
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            model(x[:, :-1], labels=x[:, 1:]).backward()
+        finalize_grads(model, mesh, layout)
+        out.append((compile_stats()["compile_graph_breaks"],
+                    {n: p.grad.clone() for n, p in model.named_parameters() if "norm" in n}))
+        torch._dynamo.reset()
+    return out
+
+
+def test_tp_dropout_compiles_whole_and_keeps_replicas_in_step():
+    """Dropout drawn per tp rank (attention dropout over a rank's heads; with sp, the residual dropouts on
+    sequence shards), recomputed or not, inside a graph compiled with no break: the tp ranks draw their
+    masks from the default generator, so it stays in step across them. Without sp the residual dropouts are
+    replicated: the same masks on both ranks, hence the same gradients of the replicated norms, which a
+    generator out of step would make differ. (The masks themselves: test_tensor_parallel.)"""
+    cases = ([], ["parallel.recompute=full"], ["parallel.sequence_parallel=true", "parallel.recompute=selective"])
+    ranks = run_ranks(2, _compiled_tp_dropout, cases)
+    for k, case in enumerate(cases):
+        (breaks0, grads0), (breaks1, grads1) = ranks[0][k], ranks[1][k]
+        assert breaks0 == breaks1 == 0, case
+        assert grads0 and grads0.keys() == grads1.keys()
+        for name in grads0:
+            assert grads0[name].abs().sum() > 0
+            assert torch.equal(grads0[name], grads1[name]), (case, name)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True])

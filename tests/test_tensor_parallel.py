@@ -363,3 +363,39 @@ def test_no_group_is_serial_and_rng_fork_restores():
     with pytest.raises(ValueError, match="unknown RNG stream"):
         with rng.fork("data"):
             pass
+
+
+def test_compiled_tp_dropout_keeps_each_ranks_share_of_one_draw():
+    """Inside a compiled graph (no break: fullgraph) a tp fork cannot swap generators: each of 2 tp ranks
+    draws 2 x the numbers it needs from the default generator and keeps its own half, so the two ranks'
+    masks differ while their draws, and the generator after them, are alike. Checked against the same
+    numbers drawn by hand (aot_eager runs torch's own random ops), for nn.Dropout and for the attention
+    core's dropout on its probabilities (the unfused ops, which SDPA's own dropout cannot take)."""
+    import torch._dynamo
+    from megalm.models.layers import AttentionCore
+    from megalm.parallel.tp_plan import ForkRNG
+    p = 0.3
+    x = torch.randn(B, T, H)
+    q, k, v = torch.randn(3, B, 2, T, 4).unbind(0)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    probs = (q @ k.transpose(-1, -2) / 2.0).masked_fill(~causal, float("-inf")).softmax(-1)
+    masks = []
+    for rank in range(2):
+        for inner, args in ((nn.Dropout(p), (x,)), (AttentionCore(p, True, "sdpa"), (q, k, v))):
+            fork = torch.compile(ForkRNG(inner, TPRNG(0, rank), "tp", rank, 2).train(), backend="aot_eager",
+                                 fullgraph=True)
+            torch.manual_seed(5)
+            got = fork(*args)
+            after = torch.rand(4)
+            torch.manual_seed(5)
+            if isinstance(inner, nn.Dropout):
+                keep = torch.rand(2, *x.shape)[rank] >= p
+                torch.testing.assert_close(got, x * keep / (1 - p))
+                masks.append(keep)
+            else:
+                keep = torch.rand(2, *probs.shape)[rank] >= p
+                torch.testing.assert_close(got, (probs * keep / (1 - p)) @ v)
+            assert torch.equal(torch.rand(4), after)  # the generator moved by the one draw, on either rank
+            torch._dynamo.reset()
+    assert not torch.equal(masks[0], masks[1])
+    assert 0.2 < 1 - masks[0].float().mean() < 0.4  # 256 elements: 0.3 give or take 3.5 standard deviations

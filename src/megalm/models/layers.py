@@ -8,7 +8,7 @@ fused layouts a TP plan knows how to split (QKV stacked as [q | k | v], SwiGLU a
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -112,12 +112,26 @@ def attention_backend(choice: str, device_type: str, dtype: torch.dtype, compili
     return "unfused" if compiling and device_type == "cpu" and low else "sdpa"
 
 
+Uniform = Callable[[torch.Size, torch.device], torch.Tensor]
+"""A source of dropout's random numbers: uniform(shape, device) gives numbers in [0, 1) of that shape."""
+
+
+def dropout_with(x: torch.Tensor, p: float, uniform: Uniform) -> torch.Tensor:
+    """Dropout of `x` with probability `p` (kept elements scaled by 1 / (1 - p), as F.dropout), its mask
+    drawn from `uniform`: an element is kept where its number is at least p."""
+    if p >= 1:
+        return x * 0
+    keep = uniform(x.shape, x.device) >= p
+    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
+
+
 def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                      causal: bool = False, dropout_p: float = 0.0) -> torch.Tensor:
+                      causal: bool = False, dropout_p: float = 0.0, uniform: Optional[Uniform] = None) -> torch.Tensor:
     """softmax(q k^T / sqrt(hd) + mask) v as separate ops, SDPA's arguments and result: the scores in q's
     dtype, the softmax in fp32, its probabilities cast back to q's dtype for the second matmul (Megatron's
     unfused core attention with the softmax in fp32). `mask`: bool (True: attend) or additive; `causal`:
-    query t of T sees keys up to S - T + t of S."""
+    query t of T sees keys up to S - T + t of S. Dropout on the probabilities draws from the default
+    generator, or from `uniform` when given (`dropout_with`)."""
     T, S = q.shape[-2], k.shape[-2]
     scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
@@ -127,7 +141,7 @@ def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: O
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p)
+        probs = F.dropout(probs, dropout_p) if uniform is None else dropout_with(probs, dropout_p, uniform)
     return torch.matmul(probs, v)
 
 
@@ -143,7 +157,10 @@ class AttentionCore(nn.Module):
         self.attention_dropout, self.causal, self.backend = attention_dropout, causal, backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                mask: Optional[torch.Tensor] = None, uniform: Optional[Uniform] = None) -> torch.Tensor:
+        """`uniform`: where the attention dropout's random numbers come from (`dropout_with`), given by
+        the parallel code for a tp stream inside a compiled graph; the unfused ops run then, since
+        SDPA draws its own."""
         T, S = q.shape[2], k.shape[2]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:  # grouped-query attention: each kv head serves `groups` query heads
@@ -151,8 +168,9 @@ class AttentionCore(nn.Module):
             v = v.repeat_interleave(groups, dim=1)
         dropout = self.attention_dropout if self.training else 0.0
         causal = self.causal and mask is None and T > 1
-        if attention_backend(self.backend, q.device.type, q.dtype, torch.compiler.is_compiling()) == "unfused":
-            return unfused_attention(q, k, v, mask, causal, dropout)
+        if (uniform is not None and dropout > 0) or \
+                attention_backend(self.backend, q.device.type, q.dtype, torch.compiler.is_compiling()) == "unfused":
+            return unfused_attention(q, k, v, mask, causal, dropout, uniform)
         if not causal:  # a key mask, a causal one per packed example, or one query
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
         if S != T:

@@ -8,12 +8,15 @@
 
 torch.utils.checkpoint restores the default RNG for the replay, so dropout on replicated
 activations draws the same masks. Dropout in tensor-parallel regions draws from the TPRNG
-"tp" stream instead, which checkpoint does not know: `Recompute` saves that stream at the
-forward and replays it, then puts the stream back where training had moved it.
+"tp" stream instead, which checkpoint does not know: `recompute_forward` saves that stream at the
+forward and replays it, then puts the stream back where training had moved it. Inside a compiled
+graph the tp forks draw from the default generator (megalm.parallel.tp_plan.ForkRNG), whose draws
+the compiled checkpoint replays itself, so the plain checkpoint serves there.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -31,26 +34,28 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     # Tensor parallelism wrapped the module before recomputation does (megalm.parallel.parallelize).
     forks = [m for m in module.modules() if isinstance(m, ForkRNG)] if rng is not None else []
 
-    def forward(*args):
-        if not any(fork._draws() for fork in forks):
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling() or not any(fork._draws() for fork in forks):
             # Nothing to replay by hand: a plain checkpoint, which torch.compile can also trace (the replay
             # bookkeeping below is a side effect its checkpoint operator refuses, so it breaks the graph there).
-            return checkpoint(inner, *args, use_reentrant=False)
+            # Inside a compiled graph the forks draw from the default generator (ForkRNG), which the compiled
+            # checkpoint replays itself.
+            return checkpoint(inner, *args, use_reentrant=False, **kwargs)
         saved = rng.state_dict()
         calls = []
 
-        def run(*a):
+        def run(*a, **kw):
             if calls:  # the replay in backward: same tp-stream draws as the forward
                 now = rng.state_dict()
                 rng.load_state_dict(saved)
                 try:
-                    return inner(*a)
+                    return inner(*a, **kw)
                 finally:
                     rng.load_state_dict(now)
             calls.append(True)
-            return inner(*a)
+            return inner(*a, **kw)
 
-        return checkpoint(run, *args, use_reentrant=False)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
 

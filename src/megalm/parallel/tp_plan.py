@@ -35,6 +35,7 @@ from torch import nn
 from megalm.distributed.comm import gather_seq_replicated, scatter_seq
 from megalm.errors import ConfigError
 from megalm.models.fused_loss import linear_cross_entropy
+from megalm.models.layers import AttentionCore, dropout_with
 from megalm.models.losses import IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
 from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -59,18 +60,35 @@ class TPContext:
 
 
 class ForkRNG(nn.Module):
-    """Run a parameter-free module (dropout, attention core) under one of the tp RNG streams."""
+    """Run a parameter-free module (dropout, attention core) under one of the tp RNG streams.
 
-    def __init__(self, inner: nn.Module, rng: TPRNG, stream: str):
+    Inside a compiled graph the stream cannot be forked: dynamo does not trace the generator's state
+    being read and set, and would break the graph at each fork. There dropout (nn.Dropout, or an
+    attention core's dropout) draws from the default generator instead, `size` times the numbers it needs,
+    and keeps this rank's share (`rank`): every tp rank makes the same draw, so the default generator stays
+    in step across the group as replicated dropout needs, and each rank's mask is its own. Another inner
+    module is forked as eagerly, around a graph break."""
+
+    def __init__(self, inner: nn.Module, rng: TPRNG, stream: str, rank: int = 0, size: int = 1):
         super().__init__()
         self.inner, self.stream = inner, stream
         self._rng = rng  # not a submodule: it holds no parameters or buffers
+        self.rank, self.size = rank, size
 
     def forward(self, *args, **kwargs):
         if not self._draws():  # the stream would come back unchanged; skipping also keeps a compiled graph whole
             return self.inner(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            if isinstance(self.inner, nn.Dropout):
+                return dropout_with(args[0], self.inner.p, self._uniform)
+            if isinstance(self.inner, AttentionCore):
+                return self.inner(*args, uniform=self._uniform, **kwargs)
         with self._rng.fork(self.stream):
             return self.inner(*args, **kwargs)
+
+    def _uniform(self, shape: torch.Size, device) -> torch.Tensor:
+        """This rank's share of one draw of `size` x `shape` uniform numbers from the default generator."""
+        return torch.rand((self.size, *shape), device=device)[self.rank]
 
     def _draws(self) -> bool:
         """Whether the inner module may draw random numbers now: not dropout (nn.Dropout's `p`, an
@@ -174,7 +192,7 @@ class TPRandom:
     sharded activations): run under the "tp" stream."""
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        return ForkRNG(module, ctx.rng, "tp")
+        return ForkRNG(module, ctx.rng, "tp", ctx.rank, ctx.size)
 
 
 @dataclass(frozen=True)

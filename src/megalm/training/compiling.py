@@ -9,9 +9,9 @@ Modules are compiled in place (nn.Module.compile), so parameter names, checkpoin
 the data-parallel gradient hooks see the same modules as eagerly.
 
 Tensor and sequence parallelism compile into whole graphs: their collectives are traced as functional
-collectives (megalm.distributed.comm), and a tp dropout stream is forked only where dropout draws.
-Recomputation compiles too (torch.utils.checkpoint), except around a module whose tp-stream dropout it
-must replay by hand (megalm.parallel.recompute): there the graph breaks.
+collectives (megalm.distributed.comm), and dropout that draws per tp rank takes its rank's share of one
+draw from the default generator instead of forking a stream (megalm.parallel.tp_plan.ForkRNG).
+Recomputation compiles too (torch.utils.checkpoint, which replays the graph's random draws itself).
 
 Dynamo falls back to eager execution by itself around what it cannot trace (a graph break); the count
 of breaks and the compilation time are logged after the first step and written in the next metrics
