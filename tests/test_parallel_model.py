@@ -140,10 +140,17 @@ def layout_runs(tmp_path_factory):
         mine = [i for i, (_, _, w) in enumerate(LAYOUTS) if w == world]
         dirs = {i: tmp_path_factory.mktemp(f"layout{i}") for i in mine}
         jobs = [([*BASE, *(GPT2 if LAYOUTS[i][0] == "gpt2" else LLAMA), *LAYOUTS[i][1]], str(dirs[i])) for i in mine]
-        per_rank = run_ranks(world, _rank_runs, jobs, timeout=240.0 * len(jobs))
+        extra = COMPILED_DROPOUT if world == 2 else ()  # test_tp_dropout_compiles_whole_..., on the same ranks
+        per_rank = run_ranks(world, _rank_runs_then_dropout, jobs, extra, timeout=240.0 * len(jobs))
         for k, i in enumerate(mine):
-            runs[i] = (dirs[i], [r[k] for r in per_rank])
+            runs[i] = (dirs[i], [r[0][k] for r in per_rank])
+        if extra:
+            runs["compiled_dropout"] = [r[1] for r in per_rank]
     return runs
+
+
+def _rank_runs_then_dropout(rank, world, jobs, dropout_cases):
+    return _rank_runs(rank, world, jobs), _compiled_tp_dropout(rank, world, dropout_cases)
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS)), ids=[f"{f}-{'-'.join(l)}" for f, l, _ in LAYOUTS])
@@ -221,6 +228,9 @@ def _comm_volume(rank, world, sequence_parallel):
     return fwd.calls, fwd.bytes, bwd.calls, bwd.bytes
 
 
+COMPILED_DROPOUT = ([], ["parallel.recompute=full"], ["parallel.sequence_parallel=true", "parallel.recompute=selective"])
+
+
 def _compiled_tp_dropout(rank, world, cases):
     """Per case: the graph breaks of a compiled tp model with dropout on, and the gradients of its replicated
     weights (the norms) after two training micro-batches, as this rank has them."""
@@ -233,26 +243,26 @@ def _compiled_tp_dropout(rank, world, cases):
         cfg = load(*BASE, *LLAMA, "model.dropout=0.2", "model.attention_dropout=0.2", f"parallel=tp{world}", *overrides)
         mesh, model, layout = parallel_model(cfg, world)
         apply_compile(model, "model", "aot_eager", "cpu")
+        before = compile_stats()
         torch.manual_seed(1)  # the default generator, alike on every rank as training seeds it
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
         for _ in range(2):
             model(x[:, :-1], labels=x[:, 1:]).backward()
         finalize_grads(model, mesh, layout)
-        out.append((compile_stats()["compile_graph_breaks"],
+        out.append((compile_stats(before)["compile_graph_breaks"],
                     {n: p.grad.clone() for n, p in model.named_parameters() if "norm" in n}))
         torch._dynamo.reset()
     return out
 
 
-def test_tp_dropout_compiles_whole_and_keeps_replicas_in_step():
+def test_tp_dropout_compiles_whole_and_keeps_replicas_in_step(layout_runs):
     """Dropout drawn per tp rank (attention dropout over a rank's heads; with sp, the residual dropouts on
     sequence shards), recomputed or not, inside a graph compiled with no break: the tp ranks draw their
     masks from the default generator, so it stays in step across them. Without sp the residual dropouts are
     replicated: the same masks on both ranks, hence the same gradients of the replicated norms, which a
     generator out of step would make differ. (The masks themselves: test_tensor_parallel.)"""
-    cases = ([], ["parallel.recompute=full"], ["parallel.sequence_parallel=true", "parallel.recompute=selective"])
-    ranks = run_ranks(2, _compiled_tp_dropout, cases)
-    for k, case in enumerate(cases):
+    ranks = layout_runs["compiled_dropout"]
+    for k, case in enumerate(COMPILED_DROPOUT):
         (breaks0, grads0), (breaks1, grads1) = ranks[0][k], ranks[1][k]
         assert breaks0 == breaks1 == 0, case
         assert grads0 and grads0.keys() == grads1.keys()
