@@ -234,7 +234,6 @@ COMPILED_DROPOUT = ([], ["parallel.recompute=full"], ["parallel.sequence_paralle
 def _compiled_tp_dropout(rank, world, cases):
     """Per case: the graph breaks of a compiled tp model with dropout on, and the gradients of its replicated
     weights (the norms) after two training micro-batches, as this rank has them."""
-    import torch
     import torch._dynamo
     from megalm.parallel.grads import finalize_grads
     from megalm.training.compiling import apply_compile, compile_stats
