@@ -154,6 +154,8 @@ BAD = [
     (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=true needs parallel.tp > 1"),
     (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0 is above optimizer.lr=0.001"),
     (["model.loss_chunk_tokens=0"], 1, "model.loss_chunk_tokens=0 must be at least 1"),
+    (["model.fused_loss_backward=in_backward"], 1,
+     "model.fused_loss_backward='in_backward' is not one of in_forward, recompute"),
     (["model.fused_loss=true", "model.num_labels=2"], 1,
      "model.fused_loss=true fuses the language-model head with its cross-entropy, but model.num_labels=2"),
 ]

@@ -38,8 +38,12 @@ def _close(a, b, rel=1e-5):
     assert err <= rel * max(b.abs().max().item(), 1.0), err
 
 
+BACKWARDS = ("in_forward", "recompute")
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
 @pytest.mark.parametrize("eps,masked", [(0.0, False), (0.0, True), (0.1, True)])
-def test_fused_loss_and_gradients_equal_lm_loss(eps, masked):
+def test_fused_loss_and_gradients_equal_lm_loss(eps, masked, backward):
     x, w, labels, mask = _inputs()
     mask = mask if masked else None
     # LMLoss masks the padding columns with -inf; with label smoothing F.cross_entropy then averages
@@ -49,30 +53,42 @@ def test_fused_loss_and_gradients_equal_lm_loss(eps, masked):
     ref.backward()
     ref_x, ref_w = x.grad, w.grad
     x.grad = w.grad = None
-    loss = LMLoss(V, eps).from_hidden(x, w, labels, mask, chunk_tokens=5)
-    loss.backward()
+    loss = LMLoss(V, eps).from_hidden(x, w, labels, mask, chunk_tokens=5, backward=backward)
+    (loss * 3).backward()  # an incoming gradient other than 1
     _close(loss, ref)
+    x.grad, w.grad = x.grad / 3, w.grad / 3
     _close(x.grad, ref_x)
     _close(w.grad, ref_w)
     assert torch.all(w.grad[V:] == 0)  # padding rows get no gradient
     assert torch.all(x.grad[0, :3] == 0)  # IGNORE labels: no gradient (their hidden states feed nothing else)
 
 
-def test_chunk_size_does_not_change_the_result_and_bf16_follows_autocast():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_chunk_size_does_not_change_the_result_and_bf16_follows_autocast(backward):
     x, w, labels, mask = _inputs(1)
     per_token = [linear_cross_entropy(x, w, labels, vocab_size=V, chunk_tokens=c) for c in (1, 5, 21, 1000)]
     for other in per_token[1:]:
         _close(other, per_token[0])
     assert torch.all(per_token[0][labels == IGNORE] == 0)
+    results = []
+    for c in (1, 5, 21, 1000):  # the loss and both gradients
+        x.grad = w.grad = None
+        loss = LMLoss(V).from_hidden(x, w, labels, mask, chunk_tokens=c, backward=backward)
+        loss.backward()
+        results.append((loss, x.grad, w.grad))
+    for other in results[1:]:
+        for a, b in zip(other, results[0]):
+            _close(a, b)
     # Under autocast the chunks' matmuls run in bf16 as the unfused head's does: the same loss to bf16 logits'
     # rounding, and gradients that differ only by bf16 products being summed in fp32 chunk by chunk.
+    x.grad = w.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ref = LMLoss(V)(F.linear(x, w), labels, mask)
     ref.backward()
     ref_x, ref_w = x.grad, w.grad
     x.grad = w.grad = None
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        loss = LMLoss(V).from_hidden(x, w, labels, mask, chunk_tokens=5)
+        loss = LMLoss(V).from_hidden(x, w, labels, mask, chunk_tokens=5, backward=backward)
     loss.backward()
     _close(loss, ref)
     assert x.grad.dtype == x.dtype and w.grad.dtype == w.dtype
@@ -80,13 +96,69 @@ def test_chunk_size_does_not_change_the_result_and_bf16_follows_autocast():
     _close(w.grad, ref_w, rel=1e-2)
 
 
-def test_gpt_with_fused_loss_trains_alike_and_still_gives_logits():
+class _Matmuls(TorchDispatchMode):
+    """Counts the matmul ops run inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.addmm_)
+        return func(*args, **(kwargs or {}))
+
+
+def test_gradients_in_forward_only_where_wanted():
+    """Made in forward, the gradients cost two matmuls a chunk beside the logits' one: under no_grad (an
+    evaluation's loss) none are made, with a frozen head only the input's, and the values stay the same."""
+    x, w, labels, mask = _inputs(3)
+    crit, chunks = LMLoss(V), -(-B * T // 5)
+    ref = crit.from_hidden(x, w, labels, mask, chunk_tokens=5)
+    ref.backward()
+    ref_x = x.grad
+    x.grad = w.grad = None
+    with torch.no_grad(), _Matmuls() as mm:
+        loss = crit.from_hidden(x, w, labels, mask, chunk_tokens=5)
+    assert mm.count == chunks and not loss.requires_grad
+    _close(loss, ref)
+    w.requires_grad_(False)
+    with _Matmuls() as mm:
+        loss = crit.from_hidden(x, w, labels, mask, chunk_tokens=5)
+    assert mm.count == 2 * chunks
+    loss.backward()
+    _close(x.grad, ref_x)
+    assert w.grad is None
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_fused_loss_compiles_whole(backward):
+    """Under torch.compile (fullgraph: no break; aot_eager runs AOT autograd's forward and backward graphs)
+    the loss and both gradients are the eager ones."""
+    x, w, labels, mask = _inputs(2)
+    crit = LMLoss(V, 0.1)
+    eager = crit.from_hidden(x, w, labels, mask, chunk_tokens=5, backward=backward)
+    eager.backward()
+    ref_x, ref_w = x.grad, w.grad
+    x.grad = w.grad = None
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: crit.from_hidden(*a, chunk_tokens=5, backward=backward), backend="aot_eager",
+                             fullgraph=True)
+    loss = compiled(x, w, labels, mask)
+    loss.backward()
+    _close(loss, eager)
+    _close(x.grad, ref_x)
+    _close(w.grad, ref_w)
+
+
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_gpt_with_fused_loss_trains_alike_and_still_gives_logits(backward):
     """The model: training mode hands `loss` the final-normed hidden states, eval mode and generation
     still get logits; loss and every gradient (the tied embedding's too) equal the unfused model's, and
     the parameters (so checkpoints) are the same."""
     cfg = dict(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=250,
                make_vocab_size_divisible_by=8)  # padded to 256
-    plain, fused = (build_model(GPTConfig(**cfg, fused_loss=f, loss_chunk_tokens=7)) for f in (False, True))
+    plain, fused = (build_model(GPTConfig(**cfg, fused_loss=f, loss_chunk_tokens=7, fused_loss_backward=backward))
+                    for f in (False, True))
     for model in (plain, fused):
         init_weights(model, model.cfg, 0)
     assert {k: v.shape for k, v in plain.state_dict().items()} == {k: v.shape for k, v in fused.state_dict().items()}
@@ -145,12 +217,15 @@ class _LargestOutput(TorchDispatchMode):
         return out
 
 
-def test_fused_loss_keeps_no_vocabulary_sized_tensor():
+@pytest.mark.parametrize("backward", BACKWARDS)
+def test_fused_loss_keeps_no_logits(backward):
     """At a realistic vocabulary (32,000 of 32,768 padded rows) on a small hidden size (64), 512 tokens:
-    unfused, F.cross_entropy keeps its fp32 log-softmax, 4 V bytes a token; fused, what is kept is the head
-    input (4 h), the label (8), the log-sum-exp (4) and the masked mean's mask (4), with no vocabulary
-    term: the saved bytes must drop by at least 4 V / (4 h + 16) = 470x. And no op makes a tensor larger
-    than one chunk's fp32 logits (chunk x V x 4 bytes), where the unfused loss makes N x V ones."""
+    unfused, F.cross_entropy keeps its fp32 log-softmax, 4 V bytes a token. Recomputing, what is kept is the
+    head input (4 h), the label (8), the log-sum-exp (4) and the masked mean's mask (4), with no vocabulary
+    term: the saved bytes must drop by at least 4 V / (4 h + 16) = 470x. Made in forward, the gradients are
+    kept: the input's (4 h a token) and the fp32 weight's (4 h a vocabulary row), with no token x vocabulary
+    term. And no op makes a tensor larger than one chunk's fp32 logits (chunk x V x 4 bytes), where the
+    unfused loss makes N x V ones."""
     n, h, vocab, padded, chunk = 512, 64, 32000, 32768, 128
     g = torch.Generator().manual_seed(0)
     x = torch.randn(n, h, generator=g).requires_grad_()
@@ -159,14 +234,18 @@ def test_fused_loss_keeps_no_vocabulary_sized_tensor():
     crit = LMLoss(vocab)
     usage = {}
     for name, run in (("unfused", lambda: crit(F.linear(x, w), labels)),
-                      ("fused", lambda: crit.from_hidden(x, w, labels, chunk_tokens=chunk))):
+                      ("fused", lambda: crit.from_hidden(x, w, labels, chunk_tokens=chunk, backward=backward))):
         saved, largest = _SavedBytes([w]), _LargestOutput()
         with largest, torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
             run().backward()
         usage[name] = saved.total, largest.largest
     (unfused_saved, unfused_largest), (fused_saved, fused_largest) = usage["unfused"], usage["fused"]
     assert unfused_saved >= n * vocab * 4  # the log-softmax (padded: 4 x 32768 a token)
-    assert fused_saved <= n * (4 * h + 16) + 64  # + the masked mean's scalars
-    assert unfused_saved / fused_saved > 4 * vocab / (4 * h + 16)
+    if backward == "recompute":
+        assert fused_saved <= n * (4 * h + 16) + 64  # + the masked mean's scalars
+        assert unfused_saved / fused_saved > 4 * vocab / (4 * h + 16)
+    else:
+        assert fused_saved <= 4 * h * (n + padded) + 64
+        assert unfused_saved / fused_saved > n * vocab / (h * (n + padded))
     assert unfused_largest >= n * padded * 4
     assert fused_largest <= chunk * padded * 4

@@ -192,8 +192,10 @@ def _ce_checks(rank, world, g, out):
 
 def _fused_ce_checks(rank, world, g, out):
     """The fused head + loss (model.fused_loss) through the real head and loss modules, against the single
-    process's unfused LMLoss: value, input and weight gradients, with and without sequence parallelism;
-    and the same collectives as the unfused vocabulary-parallel loss."""
+    process's unfused LMLoss: value, input and weight gradients, with and without sequence parallelism, the
+    gradients made in forward and recomputed in backward; the collectives of the unfused vocabulary-parallel
+    loss (recompute: the same calls; in forward: the same calls chunk by chunk, as many bytes in all). Then a
+    vocabulary small enough that some ranks' shards are padding alone: they still join every collective."""
     from functools import partial
     from megalm.models.losses import IGNORE, LMLoss
     from megalm.parallel.tp_plan import VocabParallelLMLoss
@@ -205,26 +207,46 @@ def _fused_ce_checks(rank, world, g, out):
     labels = labels.view(B, T)
     mask = (torch.rand(B, T, generator=_gen(61)) > 0.2).float()
     w, x = _randn(PADDED, H, seed=62), _randn(B, T, H, seed=63)
+    chunk, chunks = 5, -(-B * T // 5)
     for eps in (0.0, 0.1):
         ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
         logits = F.linear(ref_x, ref_w)  # real columns only for smoothing: LMLoss's -inf padding would give inf
         ref = LMLoss(VOCAB)(logits, labels, mask) if eps == 0 else LMLoss(VOCAB, eps)(logits[..., :VOCAB], labels, mask)
         ref.backward()
         crit = VocabParallelLMLoss(g, rank * per, VOCAB, eps)
-        for sp in (False, True):
-            tag = f"fused_{eps}_{'sp' if sp else 'f'}"
-            head = _sharded(ColumnParallelLinear(H, PADDED, bias=False, group=g, sequence_parallel=sp, device="meta"),
-                            weight=w)
-            x_in = (_seq(x, rank, world) if sp else x).clone().requires_grad_()
-            with count_comm() as fused:
-                loss = head(x_in, fuse=partial(crit.from_hidden, labels=labels, loss_mask=mask, chunk_tokens=5))
-            loss.backward()
-            out[f"{tag}_loss"] = _diff(loss, ref)
-            out[f"{tag}_dx"] = _diff(x_in.grad, _seq(ref_x.grad, rank, world) if sp else ref_x.grad)
-            out[f"{tag}_dw"] = _diff(_full_grad(head.weight, world), ref_w.grad)
-            with count_comm() as unfused:
-                crit(head(x_in), labels, mask)
-            out[f"{tag}_comm"] = fused.events == unfused.events and len(fused.events) >= 2
+        for backward in ("in_forward", "recompute"):
+            for sp in (False, True):
+                tag = f"fused_{backward}_{eps}_{'sp' if sp else 'f'}"
+                head = _sharded(ColumnParallelLinear(H, PADDED, bias=False, group=g, sequence_parallel=sp,
+                                                     device="meta"), weight=w)
+                x_in = (_seq(x, rank, world) if sp else x).clone().requires_grad_()
+                with count_comm() as fused:
+                    loss = head(x_in, fuse=partial(crit.from_hidden, labels=labels, loss_mask=mask,
+                                                   chunk_tokens=chunk, backward=backward))
+                loss.backward()
+                out[f"{tag}_loss"] = _diff(loss, ref)
+                out[f"{tag}_dx"] = _diff(x_in.grad, _seq(ref_x.grad, rank, world) if sp else ref_x.grad)
+                out[f"{tag}_dw"] = _diff(_full_grad(head.weight, world), ref_w.grad)
+                with count_comm() as unfused:
+                    crit(head(x_in), labels, mask)
+                loss_calls = [[e for e in c.events if e[0] == "all_reduce"] for c in (fused, unfused)]
+                others = [[e for e in c.events if e[0] != "all_reduce"] for c in (fused, unfused)]  # the head's
+                out[f"{tag}_comm"] = (others[0] == others[1] and len(loss_calls[1]) == 2
+                                      and len(loss_calls[0]) == 2 * (chunks if backward == "in_forward" else 1)
+                                      and sum(b for _, b in loss_calls[0]) == sum(b for _, b in loss_calls[1]))
+    small = 2 * per - 3  # shards 2.. (at tp 4) hold padding alone
+    labels_small = labels.clamp(max=small - 1).masked_fill(labels == IGNORE, IGNORE)
+    ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
+    ref = LMLoss(small)(F.linear(ref_x, ref_w), labels_small, mask)
+    ref.backward()
+    head = _sharded(ColumnParallelLinear(H, PADDED, bias=False, group=g, device="meta"), weight=w)
+    x_in = x.clone().requires_grad_()
+    loss = head(x_in, fuse=partial(VocabParallelLMLoss(g, rank * per, small, 0.0).from_hidden, labels=labels_small,
+                                   loss_mask=mask, chunk_tokens=chunk, backward="in_forward"))
+    loss.backward()
+    out["fused_padding_shard_loss"] = _diff(loss, ref)
+    out["fused_padding_shard_dx"] = _diff(x_in.grad, ref_x.grad)
+    out["fused_padding_shard_dw"] = _diff(_full_grad(head.weight, world), ref_w.grad)
 
 
 def _rng_checks(rank, world, out):
@@ -315,7 +337,9 @@ def test_tensor_parallel_matches_serial(world):
         per = PADDED // world
         assert out["emb_range"] == (rank * per, (rank + 1) * per, (per, H))
         assert out["ce_0.0_finite"] and out["ce_0.1_finite"]
-        assert all(out[f"fused_{eps}_{sp}_comm"] for eps in (0.0, 0.1) for sp in ("f", "sp"))
+        assert all(out[f"fused_{b}_{eps}_{sp}_comm"] for b in ("in_forward", "recompute") for eps in (0.0, 0.1)
+                   for sp in ("f", "sp"))
+        assert "fused_padding_shard_dw" in diffs
         assert out["rng_outer_restored"] and out["rng_shared_equal"] and out["rng_tp_distinct"]
         assert out["rng_stream_advances"]
         assert out["solo_exact"] and out["solo_no_comm"] and out["solo_same_object"]

@@ -12,6 +12,7 @@ from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError, did_you_mean
 from megalm.models.family import family_names, family_of
+from megalm.models.fused_loss import BACKWARDS as FUSED_LOSS_BACKWARDS
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 from megalm.training.cpu_memory import CHOICES as ALLOCATORS
 
@@ -21,6 +22,7 @@ CHOICES = {
     "model.activation": ("gelu", "gelu_exact", "relu", "swiglu"),
     "model.transformer_impl": ("local", "te"),
     "model.attention_backend": ("auto", "sdpa", "unfused"),
+    "model.fused_loss_backward": FUSED_LOSS_BACKWARDS,
     "parallel.pipeline_schedule": ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zb", "zbv"),
     "parallel.recompute": ("none", "selective", "full"),
     "optimizer.name": ("adamw", "sgd"),

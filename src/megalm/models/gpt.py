@@ -51,6 +51,10 @@ class GPTConfig(ModelConfig):
     whole logits (megalm.models.fused_loss); the same loss and gradients. Off by default: docs/PERFORMANCE.md."""
     loss_chunk_tokens: int = 1024
     """Tokens per chunk of the fused loss: its logits, (chunk, vocabulary / tp) in fp32, are the most it holds."""
+    fused_loss_backward: str = "in_forward"
+    """in_forward | recompute: the fused loss makes its gradients in forward (three matmuls, as unfused; keeps the
+    input gradient and an fp32 weight gradient until backward) or recomputes each chunk's logits in backward (four;
+    keeps the head input alone: the smaller store when many micro-batches await backward at a large vocabulary)."""
     num_experts: int = 0
     """0: a dense MLP in every layer; E >= 2: a mixture of E experts of ffn_size each (megalm.models.moe)."""
     moe_router_topk: int = 2
@@ -190,7 +194,8 @@ class GPT(nn.Module):
         if not hidden:
             return self.criterion(output, labels, loss_mask)
         fuse = functools.partial(self.criterion.from_hidden, labels=labels, loss_mask=loss_mask,
-                                 chunk_tokens=self.cfg.loss_chunk_tokens)
+                                 chunk_tokens=self.cfg.loss_chunk_tokens,
+                                 backward=self.cfg.fused_loss_backward)
         return self.head(output, fuse=fuse)
 
     def loss_and_metrics(self, output: torch.Tensor, batch: Dict[str, torch.Tensor]):

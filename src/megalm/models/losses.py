@@ -36,13 +36,14 @@ class LMLoss(nn.Module):
         return masked_mean(self.per_token(logits, labels), loss_mask if loss_mask is not None else labels != IGNORE)
 
     def from_hidden(self, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    loss_mask: Optional[torch.Tensor] = None, *, chunk_tokens: int) -> torch.Tensor:
+                    loss_mask: Optional[torch.Tensor] = None, *, chunk_tokens: int,
+                    backward: str = "in_forward") -> torch.Tensor:
         """The same loss from the head's input (B, T, h) and weight (V, h), the logits made `chunk_tokens`
-        tokens at a time and never whole (megalm.models.fused_loss)."""
-        from megalm.models.fused_loss import linear_cross_entropy
-        losses = linear_cross_entropy(hidden, weight, labels, vocab_size=self.vocab_size, chunk_tokens=chunk_tokens,
-                                      label_smoothing=self.label_smoothing)
-        return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
+        tokens at a time and never whole, the gradients made in forward or recomputed in backward
+        (`backward`; megalm.models.fused_loss)."""
+        from megalm.models.fused_loss import fused_masked_mean
+        return fused_masked_mean(hidden, weight, labels, loss_mask, backward=backward, vocab_size=self.vocab_size,
+                                 chunk_tokens=chunk_tokens, label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
     def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ from torch import nn
 
 from megalm.distributed.comm import gather_seq_replicated, scatter_seq
 from megalm.errors import ConfigError
-from megalm.models.fused_loss import linear_cross_entropy
+from megalm.models.fused_loss import fused_masked_mean
 from megalm.models.layers import AttentionCore, dropout_with
 from megalm.models.losses import IGNORE, masked_mean
 from megalm.parallel.random import TPRNG
@@ -111,13 +111,12 @@ class VocabParallelLMLoss(nn.Module):
                                               ignore_index=IGNORE)
         return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
 
-    def from_hidden(self, hidden, weight, labels, loss_mask=None, *, chunk_tokens: int):
+    def from_hidden(self, hidden, weight, labels, loss_mask=None, *, chunk_tokens: int, backward: str = "in_forward"):
         """LMLoss.from_hidden from this rank's vocabulary shard of the head weight (V/tp, h); `hidden` is
         the head's input after its collective (replicated over tp), whose gradient that collective sums."""
-        losses = linear_cross_entropy(hidden, weight, labels, vocab_size=self.vocab_size, chunk_tokens=chunk_tokens,
-                                      vocab_start=self.vocab_start, group=self.group,
-                                      label_smoothing=self.label_smoothing)
-        return masked_mean(losses, loss_mask if loss_mask is not None else labels != IGNORE)
+        return fused_masked_mean(hidden, weight, labels, loss_mask, backward=backward, vocab_size=self.vocab_size,
+                                 chunk_tokens=chunk_tokens, vocab_start=self.vocab_start, group=self.group,
+                                 label_smoothing=self.label_smoothing)
 
     @torch.no_grad()
     def correct(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
