@@ -9,6 +9,7 @@ per-round tokens/s, the ratio of the two medians and the median of the per-round
     python scripts/bench.py                          # gpt_cpu's shape as GPT-2, ~1-2 min on 2 cores
     python scripts/bench.py --layers 2 --hidden 128 --json out.json
     python scripts/bench.py --modes eager,compiled,compiled-blocks,bf16,bf16-compiled   # every mode side by side
+    python scripts/bench.py --modes eager,eager+fused-loss   # megalm's fused head + loss against its plain one
 
 With --modes, each mode is one more pair of runs (megalm and HF from the same weights) in the same
 alternating rounds, so every ratio between two runs is measured side by side.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import statistics
@@ -73,17 +75,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
                         "whole), bf16 (CPU autocast), bf16-compiled, bf16-compiled-sdpa (megalm's attention on SDPA "
                         "instead of model.attention_backend=auto's unfused choice there); each runs for megalm and HF "
-                        "alike")
+                        "alike. Any of them with +fused-loss (eager+fused-loss, bf16-compiled+fused-loss, ...): "
+                        "megalm's model with model.fused_loss=true, HF's as in the mode without it")
     p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in args.modes if m not in MODES]
+    bad = [m for m in args.modes if m.removesuffix(FUSED) not in MODES]
     if bad or not args.modes:
-        p.error(f"--modes {','.join(bad) or '(empty)'}: choose from {', '.join(MODES)}")
+        p.error(f"--modes {','.join(bad) or '(empty)'}: choose from {', '.join(MODES)}, each with or without "
+                f"{FUSED}")
     return args
 
 
 MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled", "bf16-compiled-sdpa")
+FUSED = "+fused-loss"  # a mode's suffix: megalm's head and loss fused (model.fused_loss), HF's unchanged
 
 
 def model_config(args) -> ModelConfig:
@@ -171,7 +176,10 @@ def main(argv=None) -> dict:
     runs = {}
     for mode in args.modes:
         m_model, h_model = (mega, hf) if mode == args.modes[0] else (copy.deepcopy(mega), copy.deepcopy(hf))
-        if mode.endswith("-sdpa"):  # the attention kernel auto would not pick here
+        if mode.endswith(FUSED):  # the same weights, the loss computed from the head's input
+            m_model = build_model(dataclasses.replace(cfg, fused_loss=True))
+            m_model.load_state_dict(mega.state_dict())
+        if mode.removesuffix(FUSED).endswith("-sdpa"):  # the attention kernel auto would not pick here
             for module in m_model.modules():
                 if isinstance(module, AttentionCore):
                     module.backend = "sdpa"
@@ -239,8 +247,8 @@ def main(argv=None) -> dict:
             ratios[f"megalm/{mode} : megalm/{first}"] = paired(f"megalm/{mode}", f"megalm/{first}")
             ratios[f"megalm/{mode} : hf/{first}"] = paired(f"megalm/{mode}", f"hf/{first}")
             ratios[f"hf/{mode} : hf/{first}"] = paired(f"hf/{mode}", f"hf/{first}")
-    for a, b in (("compiled", "compiled-blocks"), ("bf16", "bf16-compiled"),
-                 ("bf16-compiled-sdpa", "bf16-compiled")):
+    pairs = [("compiled", "compiled-blocks"), ("bf16", "bf16-compiled"), ("bf16-compiled-sdpa", "bf16-compiled")]
+    for a, b in pairs + [(m.removesuffix(FUSED), m) for m in args.modes if m.endswith(FUSED)]:
         if a in args.modes and b in args.modes:
             ratios[f"megalm/{b} : megalm/{a}"] = paired(f"megalm/{b}", f"megalm/{a}")
     if "compiled" in args.modes:  # megalm's best fp32 mode against HF's compiled model

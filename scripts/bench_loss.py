@@ -1,18 +1,20 @@
 """Peak memory and time of the LM loss, whole logits vs the fused chunked head + loss, side by side.
 
     python scripts/bench_loss.py [--vocab 32000 128256] [--hidden 1024] [--tokens 4096] [--chunk 1024]
+                                 [--paths unfused in_forward recompute]
                                  [--dtypes fp32 bf16] [--repeats 3] [--threads 0] [--json out.json]
 
-For each vocabulary and precision, both paths run forward + backward on the same head input (tokens, hidden)
-and head weight (vocab, hidden), alternating which goes first each round: "unfused" is what the GPT model
-runs with model.fused_loss=false (the head's matmul, then LMLoss: fp32 logits and F.cross_entropy),
-"fused" is LMLoss.from_hidden (megalm.models.fused_loss) with `--chunk` tokens a chunk. bf16 runs under
-autocast, as trainer.precision=bf16 does.
+For each vocabulary and precision, every path runs forward + backward on the same head input (tokens, hidden)
+and head weight (vocab, hidden), the order rotating each round: "unfused" is what the GPT model runs with
+model.fused_loss=false (the head's matmul, then LMLoss: fp32 logits and F.cross_entropy); "in_forward" and
+"recompute" are LMLoss.from_hidden (megalm.models.fused_loss) with `--chunk` tokens a chunk and that
+model.fused_loss_backward. bf16 runs under autocast, as trainer.precision=bf16 does. Ratios are against
+"unfused".
 
 Peak: on CUDA, torch's max_memory_allocated above what was allocated before the loss; on CPU the process's
 peak resident set (VmHWM, reset before each run through /proc/self/clear_refs) above its resident set before
 the loss; large tensors are mmapped and returned on free, so this follows the tensors' bytes. Either way it
-includes the weight's gradient (vocab x hidden fp32), which both paths make. Saved: the bytes autograd keeps
+includes the weight's gradient (vocab x hidden fp32), which every path makes. Saved: the bytes autograd keeps
 for backward (saved_tensors_hooks, each storage once; the weight and the head input, which exist before the
 loss, left out). Time: the median over rounds of one forward + backward, in wall seconds and (on a shared
 CPU machine, where other processes stretch the wall time) in this process's CPU seconds.
@@ -34,6 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from megalm.models.fused_loss import BACKWARDS  # noqa: E402
 from megalm.models.losses import LMLoss  # noqa: E402
 
 MB = 2 ** 20
@@ -94,8 +97,8 @@ def run_once(path, x, w, labels, crit, dtype, chunk, meter):
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=dtype == "bf16"):
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
-            if path == "fused":
-                loss = crit.from_hidden(x, w, labels, chunk_tokens=chunk)
+            if path != "unfused":
+                loss = crit.from_hidden(x, w, labels, chunk_tokens=chunk, backward=path)
             else:
                 loss = crit(F.linear(x, w), labels)
     loss.backward()
@@ -113,6 +116,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--chunk", type=int, default=1024)
+    ap.add_argument("--paths", nargs="+", default=["unfused", *BACKWARDS], choices=["unfused", *BACKWARDS],
+                    help="the first is the one the ratios are against")
     ap.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads on CPU; 0 = every core")
@@ -137,9 +142,10 @@ def main() -> None:
         labels = torch.randint(0, vocab, (n,), generator=g).to(device)
         crit = LMLoss(vocab)
         for dtype in args.dtypes:
-            got = {"unfused": [], "fused": []}
+            paths = args.paths
+            got = {path: [] for path in paths}
             for r in range(args.repeats):
-                for path in (("unfused", "fused") if r % 2 == 0 else ("fused", "unfused")):
+                for path in paths[r % len(paths):] + paths[:r % len(paths)]:
                     got[path].append(run_once(path, x, w, labels, crit, dtype, args.chunk, meter))
             result = {}
             for path, runs in got.items():
@@ -148,22 +154,24 @@ def main() -> None:
                                     seconds=statistics.median(r[3] for r in runs),
                                     cpu_s=statistics.median(r[4] for r in runs),
                                     seconds_all=[round(r[3], 3) for r in runs])
-            u, f = result["unfused"], result["fused"]
-            f["peak_ratio"], f["time_ratio"] = u["peak_mb"] / f["peak_mb"], f["seconds"] / u["seconds"]
-            f["cpu_ratio"] = f["cpu_s"] / u["cpu_s"]
-            f["loss_rel_diff"] = abs(f["loss"] - u["loss"]) / abs(u["loss"])
-            rows += [u, f]
-            for r_ in (u, f):
+            base = result[paths[0]]
+            for path in paths[1:]:
+                f = result[path]
+                f["peak_ratio"], f["time_ratio"] = base["peak_mb"] / f["peak_mb"], f["seconds"] / base["seconds"]
+                f["cpu_ratio"] = f["cpu_s"] / base["cpu_s"]
+                f["loss_rel_diff"] = abs(f["loss"] - base["loss"]) / abs(base["loss"])
+            for path in paths:
+                r_ = result[path]
+                rows.append(r_)
                 ratio = ((f"{r_['peak_ratio']:.1f}x lower", f"{r_['time_ratio']:.2f}", f"{r_['cpu_ratio']:.2f}")
-                         if r_ is f else ("", "", ""))
-                lines.append(f"| {vocab} | {dtype} | {r_['path']} | {r_['peak_mb']:.0f} | {r_['saved_mb']:.1f} | "
+                         if path != paths[0] else ("", "", ""))
+                lines.append(f"| {vocab} | {dtype} | {path} | {r_['peak_mb']:.0f} | {r_['saved_mb']:.1f} | "
                              f"{r_['seconds']:.2f} | {r_['cpu_s']:.2f} | {' | '.join(ratio)} |")
-            print(f"vocab {vocab} {dtype}: unfused {u['peak_mb']:.0f} MB {u['seconds']:.2f} s {u['seconds_all']} "
-                  f"(CPU {u['cpu_s']:.2f} s), fused {f['peak_mb']:.0f} MB {f['seconds']:.2f} s {f['seconds_all']} "
-                  f"(CPU {f['cpu_s']:.2f} s); "
-                  f"loss {u['loss']:.6f} vs {f['loss']:.6f}", flush=True)
+            print(f"vocab {vocab} {dtype}: " + ", ".join(
+                f"{p} {result[p]['peak_mb']:.0f} MB {result[p]['seconds']:.2f} s {result[p]['seconds_all']} "
+                f"(CPU {result[p]['cpu_s']:.2f} s) loss {result[p]['loss']:.6f}" for p in paths), flush=True)
         del x, w
-    print(f"(weight gradient, in both peaks: {', '.join(f'{v}: {v * h * 4 / MB:.0f} MB' for v in args.vocab)})")
+    print(f"(weight gradient, in every peak: {', '.join(f'{v}: {v * h * 4 / MB:.0f} MB' for v in args.vocab)})")
     print(header)
     print("\n".join(lines))
     if args.json:
