@@ -95,3 +95,20 @@ def test_gpu_check_does_nothing_without_a_cuda_device(tmp_path):
                           text=True, timeout=120, env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert done.returncode == 0, done.stderr
     assert "no CUDA device here" in done.stdout and not (tmp_path / "out").exists()
+
+
+def test_bench_loss_smoke(tmp_path):
+    """scripts/bench_loss.py, in its own process (it sets malloc's thresholds for the whole process): the three
+    paths give the same loss, and the fused ones keep less for backward than the unfused one's log-softmax."""
+    import subprocess
+    import sys
+    out = tmp_path / "loss.json"
+    done = subprocess.run([sys.executable, str(BENCH.parent / "bench_loss.py"), "--vocab", "1000", "--hidden", "16",
+                           "--tokens", "64", "--chunk", "24", "--dtypes", "fp32", "--repeats", "1", "--threads", "1",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    rows = {r["path"]: r for r in json.loads(out.read_text())}
+    assert set(rows) == {"unfused", "in_forward", "recompute"}
+    for path in ("in_forward", "recompute"):
+        assert rows[path]["loss_rel_diff"] < 1e-5
+        assert rows[path]["saved_mb"] < rows["unfused"]["saved_mb"]
