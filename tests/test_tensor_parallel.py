@@ -235,7 +235,7 @@ def _fused_ce_checks(rank, world, g, out):
                                       and len(loss_calls[0]) == 2 * (chunks if backward == "in_forward" else 1)
                                       and sum(b for _, b in loss_calls[0]) == sum(b for _, b in loss_calls[1]))
     small = 2 * per - 3  # shards 2.. (at tp 4) hold padding alone
-    labels_small = labels.clamp(max=small - 1).masked_fill(labels == IGNORE, IGNORE)
+    labels_small = labels.clamp(max=small - 1)  # IGNORE (-100) stays
     ref_x, ref_w = x.clone().requires_grad_(), w.clone().requires_grad_()
     ref = LMLoss(small)(F.linear(ref_x, ref_w), labels_small, mask)
     ref.backward()
