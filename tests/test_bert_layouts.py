@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import load, run_layouts
 
 STEPS = 4
 BASE = ["model=bert_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",
@@ -81,7 +81,7 @@ def runs(tmp_path_factory):
     for world in sorted({w for _, _, w in jobs.values()}):
         names = [name for name, (_, _, w) in jobs.items() if w == world]
         work = [([*BASE, *NORMS[jobs[n][0]], *jobs[n][1]], str(dirs[n])) for n in names]
-        per_rank = run_ranks(world, _rank_runs, work, timeout=300.0 * len(work))
+        per_rank = run_layouts(world, work, timeout=300.0 * len(work))
         for k, name in enumerate(names):
             results[name] = [r[k] for r in per_rank]
     reloaded = run_ranks(1, _reload, [(str(dirs[n]), jobs[n][0]) for n in jobs], timeout=300)[0]

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_ranks
 from megalm.data.bert_dataset import Specials, pair_sample
 from megalm.data.classification import Example, read_examples
 from megalm.errors import ConfigError, DataError
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import load, run_layouts
 
 STEPS = 4
 
@@ -169,7 +168,7 @@ def runs(pretrained, sentiment, choices, run, tmp_path_factory):
         train_run(cfg, root / head / "single", 1)
     jobs = [([*overrides[head], *layout], str(root / head / f"layout{i}"))
             for head, layouts in HEADS.items() for i, layout in enumerate(layouts)]
-    run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
+    run_layouts(2, jobs, timeout=300.0 * len(jobs))
     return root, cfgs
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import BASE as PLAIN, GPT2, LLAMA, _rank_runs, grad_norms, load, losses, parallel_model
+from test_parallel_model import BASE as PLAIN, GPT2, LLAMA, grad_norms, load, losses, parallel_model, run_layouts
 
 # The loss left off at end-of-document inputs: the chunks of a micro-batch hold unequal shares of
 # the tokens learned, which the ranks' loss weights must account for.
@@ -51,7 +51,7 @@ def runs(tmp_path_factory):
             jobs.append(([*BASE, *LLAMA, *CKPT, "parallel.cp=2", "parallel.zero_stage=1", "trainer.max_steps=2"],
                          str(saved)))
             out["saved"] = saved
-        per_rank = run_ranks(world, _rank_runs, jobs, timeout=300.0 * len(jobs))
+        per_rank = run_layouts(world, jobs, timeout=300.0 * len(jobs))
         for k, i in enumerate(mine):
             out[i] = (dirs[i], [r[k] for r in per_rank])
     return single, out

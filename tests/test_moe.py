@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import _rank_runs, load, parallel_model
+from test_parallel_model import load, parallel_model, run_layouts
 
 
 def _cfg(**kw):
@@ -159,7 +159,7 @@ def runs(tmp_path_factory):
             for i in mine:
                 run(load(*jobs[mine.index(i)][0]), dirs[i], 1)
         else:
-            run_ranks(world, _rank_runs, jobs, timeout=300.0 * len(jobs))
+            run_layouts(world, jobs, timeout=300.0 * len(jobs))
         out.update(dirs)
     return single, out
 
@@ -201,7 +201,7 @@ def test_an_expert_parallel_checkpoint_continues_the_curve_in_one_process(tmp_pa
     from megalm.train import run
     run(load(*BASE, *CKPT), tmp_path / "single", 1)
     ref, _ = _records(tmp_path / "single")
-    run_ranks(4, _rank_runs, [([*BASE, *CKPT, "parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
+    run_layouts(4, [([*BASE, *CKPT, "parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
                                 "parallel.zero_stage=3", "trainer.max_steps=2"], str(tmp_path / "ep"))])
     run(load(*BASE, *CKPT, f"checkpoint.load={tmp_path / 'ep' / 'checkpoints' / 'step_00000002'}"),
         tmp_path / "after", 1)

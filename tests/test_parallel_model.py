@@ -10,14 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
-
+from configs import load
 from distributed import run_ranks
-from megalm.config import conf_dir, register_configs
 from megalm.validation import validate
 
-register_configs()
 STEPS = 4
 BASE = ["model=gpt_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
         f"trainer.max_steps={STEPS}", "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.log_interval=1",
@@ -33,11 +29,6 @@ LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2", "model.vocab_size=200"]  # padded to 200 / 208 / 224 at tp 1 / 2 / 4
 
 
-def load(*overrides):
-    with initialize_config_dir(conf_dir(), version_base="1.3"):
-        return OmegaConf.to_object(compose("config", overrides=list(overrides)))
-
-
 def losses(run_dir: Path):
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["loss"] for r in recs if "loss" in r], [r["val_loss"] for r in recs if "val_loss" in r]
@@ -48,18 +39,35 @@ def grad_norms(run_dir: Path):
     return [r["grad_norm"] for r in recs if "loss" in r]
 
 
-def _rank_run(rank, world, overrides, run_dir):
+def _rank_run(rank, world, cfg, run_dir):
+    """One run on this rank of `cfg`: a Config, or a list of overrides to compose here."""
     from megalm.train import run
-    cfg = load(*overrides)
+    if isinstance(cfg, (list, tuple)):
+        cfg = load(*cfg)
     validate(cfg, world)
     return run(cfg, Path(run_dir), world)
 
 
 def _rank_runs(rank, world, jobs):
-    """Several runs, one after another, on one set of ranks: (overrides, run_dir) each. Starting
+    """Several runs, one after another, on one set of ranks: (config, run_dir) each. Starting
     the processes (torch's import) costs more than a tiny run, so layouts of one world size share
     them; every run builds its own mesh, groups, model and data from the config."""
-    return [_rank_run(rank, world, overrides, run_dir) for overrides, run_dir in jobs]
+    return [_rank_run(rank, world, cfg, run_dir) for cfg, run_dir in jobs]
+
+
+def composed(jobs):
+    """(overrides, run_dir) jobs with each config composed here once, not again on every rank."""
+    return [(load(*overrides), run_dir) for overrides, run_dir in jobs]
+
+
+def run_layouts(world, jobs, **kwargs):
+    """_rank_runs of (overrides, run_dir) jobs on `world` ranks, composed here: each rank's results."""
+    return run_ranks(world, _rank_runs, composed(jobs), **kwargs)
+
+
+def run_layout(world, overrides, run_dir, **kwargs):
+    """One run of these overrides on `world` ranks, composed here: each rank's result."""
+    return run_ranks(world, _rank_run, load(*overrides), run_dir, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -139,8 +147,10 @@ def layout_runs(tmp_path_factory):
     for world in sorted({w for _, _, w in LAYOUTS}):
         mine = [i for i, (_, _, w) in enumerate(LAYOUTS) if w == world]
         dirs = {i: tmp_path_factory.mktemp(f"layout{i}") for i in mine}
-        jobs = [([*BASE, *(GPT2 if LAYOUTS[i][0] == "gpt2" else LLAMA), *LAYOUTS[i][1]], str(dirs[i])) for i in mine]
-        extra = COMPILED_DROPOUT if world == 2 else ()  # test_tp_dropout_compiles_whole_..., on the same ranks
+        jobs = composed([([*BASE, *(GPT2 if LAYOUTS[i][0] == "gpt2" else LLAMA), *LAYOUTS[i][1]], str(dirs[i]))
+                         for i in mine])
+        extra = ([load(*BASE, *LLAMA, "model.dropout=0.2", "model.attention_dropout=0.2", "parallel=tp2", *case)
+                  for case in COMPILED_DROPOUT] if world == 2 else ())  # test_tp_dropout_compiles_whole_..., same ranks
         per_rank = run_ranks(world, _rank_runs_then_dropout, jobs, extra, timeout=240.0 * len(jobs))
         for k, i in enumerate(mine):
             runs[i] = (dirs[i], [r[0][k] for r in per_rank])
@@ -212,11 +222,10 @@ def parallel_model(cfg, world: int):
     return mesh, model, layout
 
 
-def _comm_volume(rank, world, sequence_parallel):
+def _comm_volume(rank, world, cfg):
     import torch
     from megalm.distributed.comm import count_comm
     from megalm.parallel.grads import clip_grads, finalize_grads
-    cfg = load(*BASE, *GPT2, f"parallel=tp{world}", f"parallel.sequence_parallel={sequence_parallel}")
     mesh, model, layout = parallel_model(cfg, world)
     x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))
     with count_comm() as fwd:
@@ -232,14 +241,13 @@ COMPILED_DROPOUT = ([], ["parallel.recompute=full"], ["parallel.sequence_paralle
 
 
 def _compiled_tp_dropout(rank, world, cases):
-    """Per case: the graph breaks of a compiled tp model with dropout on, and the gradients of its replicated
+    """Per case (a Config): the graph breaks of a compiled tp model with dropout on, and the gradients of its replicated
     weights (the norms) after two training micro-batches, as this rank has them."""
     import torch._dynamo
     from megalm.parallel.grads import finalize_grads
     from megalm.training.compiling import apply_compile, compile_stats
     out = []
-    for overrides in cases:
-        cfg = load(*BASE, *LLAMA, "model.dropout=0.2", "model.attention_dropout=0.2", f"parallel=tp{world}", *overrides)
+    for cfg in cases:
         mesh, model, layout = parallel_model(cfg, world)
         apply_compile(model, "model", "aot_eager", "cpu")
         before = compile_stats()
@@ -278,7 +286,8 @@ def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
     B, T, h, L = 2, cfg.model.seq_length, cfg.model.hidden_size, cfg.model.num_layers
     act, tok = B * T * h * 4, B * T * 4  # one activation tensor; one fp32 value per token
     ce = [tok, 2 * tok]  # cross-entropy: max, then (sum-exp, target logit) in one call
-    (fc, fb, bc, bb), = run_ranks(tp, _comm_volume, sequence_parallel)[:1]
+    layout = load(*BASE, *GPT2, f"parallel=tp{tp}", f"parallel.sequence_parallel={sequence_parallel}")
+    (fc, fb, bc, bb), = run_ranks(tp, _comm_volume, layout)[:1]
     if not sequence_parallel:
         # forward: embedding g + (attn proj, fc2) per layer; backward: f of (qkv, fc1) per layer + head's f
         assert fc == {"all_reduce": 1 + 2 * L + 2} and fb == {"all_reduce": act * (1 + 2 * L) + sum(ce)}
@@ -312,8 +321,8 @@ def test_checkpoint_resumes_and_loads_at_single(tmp_path, family, layout, world)
               "optimizer.decay_steps=4"]
     parallel = [*common, *layout]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run_ranks(world, _rank_runs, [(parallel, str(straight)), ([*parallel, "trainer.max_steps=2"], str(resumed)),
-                                  (parallel, str(resumed))])  # the last auto-resumes from step 2 in its directory
+    run_layouts(world, [(parallel, str(straight)), ([*parallel, "trainer.max_steps=2"], str(resumed)),
+                                 (parallel, str(resumed))])  # the last auto-resumes from step 2 in its directory
     ref, _ = losses(straight)
     assert losses(resumed)[0] == pytest.approx(ref, rel=1e-5)
 

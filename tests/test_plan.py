@@ -11,12 +11,13 @@ import sys
 
 import pytest
 
+from configs import plan_config
 from distributed import run_ranks
 
 
 def _plan(*overrides):
-    from megalm.plan import compose, plan
-    return plan(*compose(list(overrides)))
+    from megalm.plan import plan
+    return plan(*plan_config(overrides))
 
 
 def test_gpt3_175b_at_tp8_pp16_by_hand():
@@ -368,8 +369,7 @@ def test_single_device_step_time_by_hand(optimizer, update_bytes):
 
 
 def _compose(*overrides):
-    from megalm.plan import compose
-    return compose(list(overrides))[0]
+    return plan_config(overrides)[0]
 
 
 def test_gpus_fill_data_parallel_and_the_table_names_the_estimate():

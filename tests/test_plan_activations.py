@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from configs import plan_config
 from distributed import run_ranks
 
 SHAPE = ["model.num_layers=4", "model.hidden_size=64", "model.num_attention_heads=4", "model.seq_length=64",
@@ -117,8 +118,7 @@ BERT_SLACK = 16
 
 
 def _config(overrides):
-    from megalm.plan import compose
-    return compose([*COMMON, *overrides])
+    return plan_config([*COMMON, *overrides])
 
 
 class _SavedBytes:
@@ -228,8 +228,8 @@ def measure(cfg, world: int) -> int:
     return saved.peak
 
 
-def _measure_all(rank, world, cases):
-    return [measure(_config(overrides)[0], world) for overrides in cases]
+def _measure_all(rank, world, cfgs):
+    return [measure(cfg, world) for cfg in cfgs]
 
 
 def planned(overrides, rank):
@@ -244,7 +244,7 @@ def planned(overrides, rank):
 def measured():
     """Measured peaks by case name: a list with one entry per rank."""
     out = {name: [measure(*_config(o))] for name, o in SINGLE.items()}
-    per_rank = run_ranks(4, _measure_all, list(MULTI.values()), timeout=600.0)
+    per_rank = run_ranks(4, _measure_all, [_config(o)[0] for o in MULTI.values()], timeout=600.0)
     out.update({name: [r[i] for r in per_rank] for i, name in enumerate(MULTI)})
     return out
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 
+from configs import plan_config
 from distributed import run_ranks
 
 GPT = ["model=gpt_tiny", "model.num_layers=4"]  # the model of a layout that names none
@@ -102,12 +103,11 @@ EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "para
 
 
 def _compose(overrides):
-    from megalm.plan import compose
     model = [] if any(o.startswith("model=") for o in overrides) else GPT
-    return compose([*model, *BASE, *overrides])
+    return plan_config([*model, *BASE, *overrides])
 
 
-def _step_on_this_rank(world, overrides):
+def _step_on_this_rank(world, cfg):
     """Build the run as megalm.training.job.run does, take two trainer steps and measure the second:
     (count_comm's calls and bytes, the collectives issued through torch.distributed directly, the model
     state right after the optimizer step)."""
@@ -127,7 +127,6 @@ def _step_on_this_rank(world, overrides):
     from megalm.training.metrics import Throughput
     from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.trainer import Trainer
-    cfg, _ = _compose(overrides)
     t, device = cfg.trainer, torch.device("cpu")
     torch.manual_seed(t.seed)
     dims = ParallelDims.from_config(cfg.parallel, world)
@@ -200,9 +199,9 @@ def _step_on_this_rank(world, overrides):
     return recorded, direct, {k: state[k] for k in ("weights", "grads", "optimizer")}
 
 
-def _layouts(rank, world, layouts):
+def _layouts(rank, world, cfgs):
     """Every layout in turn on this set of ranks (starting the processes costs more than a tiny step)."""
-    return [_step_on_this_rank(world, overrides) for overrides in layouts]
+    return [_step_on_this_rank(world, cfg) for cfg in cfgs]
 
 
 @pytest.fixture(scope="module")
@@ -210,10 +209,10 @@ def measured():
     """{layout index: [per rank (recorded, direct, state)]} for TWO_RANKS + EIGHT_RANKS, and "single"."""
     out = {}
     for offset, world, layouts in ((0, 2, TWO_RANKS), (len(TWO_RANKS), 8, EIGHT_RANKS)):
-        per_rank = run_ranks(world, _layouts, layouts, timeout=600.0)
+        per_rank = run_ranks(world, _layouts, [_compose(o)[0] for o in layouts], timeout=600.0)
         for i in range(len(layouts)):
             out[offset + i] = [r[i] for r in per_rank]
-    out.update({name: [_step_on_this_rank(1, overrides)] for name, overrides in SINGLE.items()})
+    out.update({name: [_step_on_this_rank(1, _compose(overrides)[0])] for name, overrides in SINGLE.items()})
     return out
 
 

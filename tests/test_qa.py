@@ -12,10 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_ranks
 from megalm.data.squad import read_squad
 from megalm.errors import ConfigError
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import load, run_layouts
 
 STEPS = 4
 NAMES = ["Anna", "Boris", "Carla", "David", "Elena", "Felix", "Greta", "Hugo"]
@@ -84,7 +83,7 @@ def runs(bert_run, squad_files, tmp_path_factory):
     validate(cfg, 1)
     run(cfg, root / "single", 1)
     jobs = [([*_base(bert_run, squad_files), *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
-    run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
+    run_layouts(2, jobs, timeout=300.0 * len(jobs))
     return root, cfg
 
 

@@ -9,8 +9,7 @@ from megalm.config import ParallelConfig
 from megalm.models import build_model, init_weights
 from megalm.parallel import materialize, parallelize
 
-from distributed import run_ranks
-from test_parallel_model import BASE, LLAMA, _rank_runs, losses
+from test_parallel_model import BASE, LLAMA, losses, run_layouts
 
 
 def _grads_and_saved_bytes(model_cfg, recompute, num_layers=None):
@@ -49,7 +48,7 @@ def test_recompute_gives_the_same_loss_and_gradients(tiny_model_cfg, recompute, 
 def test_full_recompute_under_tp_replays_the_tp_dropout_stream(tmp_path):
     common = [*BASE, *LLAMA, "model.dropout=0.1", "model.attention_dropout=0.1", "parallel=tp2",
               "parallel.sequence_parallel=true"]
-    run_ranks(2, _rank_runs, [(common, str(tmp_path / "plain")),  # one set of ranks for both runs
+    run_layouts(2, [(common, str(tmp_path / "plain")),  # one set of ranks for both runs
                               ([*common, "parallel.recompute=full"], str(tmp_path / "full"))])
     a, b = losses(tmp_path / "plain")[0], losses(tmp_path / "full")[0]
     assert b == pytest.approx(a, rel=1e-6)

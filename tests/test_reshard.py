@@ -5,7 +5,7 @@ with ZeRO-2, dp2 with ZeRO-3 and pp2 with two virtual stages per rank; each cont
 single-process run (fp32, relative 1e-5). GPT-2 style ties the embedding and head, which under
 pp are two copies on two stages: the hard case for a checkpoint that must look the same at
 every layout. The data position travels as consumed samples, so every layout starts step 3 on
-sample 16. Runs of one world size share one set of ranks (test_parallel_model._rank_runs).
+sample 16. Runs of one world size share one set of ranks (test_parallel_model.run_layouts).
 """
 
 from pathlib import Path
@@ -13,9 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from distributed import run_ranks
 from megalm.train import run
-from test_parallel_model import BASE, GPT2, _rank_run, _rank_runs, load, losses
+from test_parallel_model import BASE, GPT2, load, losses, run_layout, run_layouts
 
 # 250 tokens: the embedding is padded to 256 rows at every tp here, and the checkpoint holds the 250 real ones.
 COMMON = [*BASE, *GPT2, "model.vocab_size=250", "checkpoint.save=true", "checkpoint.interval=2",
@@ -36,12 +35,12 @@ def runs(tmp_path_factory):
          ("single", "saved", *[n for n, _ in LOADS], "at_single", "dp2_zero3", "pp2_vpp2", "pp2_from_single",
           "dropout_straight", "dropout_resumed")}
     run(load(*COMMON), d["single"], 1)
-    run_ranks(8, _rank_run, [*COMMON, *SAVE_AT, "trainer.max_steps=2"], str(d["saved"]))
+    run_layout(8, [*COMMON, *SAVE_AT, "trainer.max_steps=2"], str(d["saved"]))
     step2, single_step2 = d["saved"] / STEP2, d["single"] / STEP2
     run(load(*COMMON, f"checkpoint.load={step2}"), d["at_single"], 1)
-    run_ranks(4, _rank_runs, [([*COMMON, *layout, f"checkpoint.load={step2}"], str(d[name]))
+    run_layouts(4, [([*COMMON, *layout, f"checkpoint.load={step2}"], str(d[name]))
                               for name, layout in LOADS])
-    run_ranks(2, _rank_runs, [
+    run_layouts(2, [
         ([*COMMON, "parallel=dp2", "parallel.zero_stage=3", f"checkpoint.load={step2}"], str(d["dp2_zero3"])),
         ([*COMMON, "parallel=pp2", "parallel.virtual_pipeline_size=2",
           "parallel.pipeline_schedule=interleaved_1f1b", f"checkpoint.load={step2}"], str(d["pp2_vpp2"])),

@@ -14,9 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from distributed import run_ranks
 from megalm.errors import ConfigError, DataError
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import load, run_layouts
 
 STEPS = 4
 
@@ -130,7 +129,7 @@ def sft_runs(run, sft_file, tmp_path_factory):
     validate(cfg, 1)
     train_run(cfg, root / "single", 1)
     jobs = [([*_base(run_dir, sft_file), *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
-    run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
+    run_layouts(2, jobs, timeout=300.0 * len(jobs))
     return root, cfg
 
 
@@ -221,7 +220,7 @@ def packed_runs(run, sft_file, tmp_path_factory):
     base = [*_base(run_dir, sft_file), "data.packing=true"]
     train_run(load(*base), root / "single", 1)
     jobs = [([*base, *layout], str(root / f"layout{i}")) for i, layout in enumerate(LAYOUTS)]
-    run_ranks(2, _rank_runs, jobs, timeout=300.0 * len(jobs))
+    run_layouts(2, jobs, timeout=300.0 * len(jobs))
     return root
 
 

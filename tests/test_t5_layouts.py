@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import _rank_runs, load
+from test_parallel_model import load, run_layouts
 
 STEPS = 4
 BASE = ["model=t5_tiny", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",
@@ -86,7 +86,7 @@ def runs(tmp_path_factory):
     for world in sorted({w for _, _, w in jobs.values()}):
         names = [name for name, (_, _, w) in jobs.items() if w == world]
         work = [([*BASE, *POSITIONS[jobs[n][0]], *jobs[n][1]], str(dirs[n])) for n in names]
-        per_rank = run_ranks(world, _rank_runs, work, timeout=300.0 * len(work))
+        per_rank = run_layouts(world, work, timeout=300.0 * len(work))
         for k, name in enumerate(names):
             results[name] = [r[k] for r in per_rank]
     reloaded = run_ranks(1, _reload, [(str(dirs[n]), jobs[n][0]) for n in jobs], timeout=300)[0]
@@ -94,7 +94,7 @@ def runs(tmp_path_factory):
     # Resharding: the tp2 x pp2 (sp) run's step-2 checkpoint continues at other layouts.
     saved = dirs[f"relative-{'-'.join(RESHARD_FROM)}"] / "checkpoints" / "step_00000002"
     resumed = {name: tmp_path_factory.mktemp("t5_resumed") for name in RESHARD_TO}
-    run_ranks(2, _rank_runs, [([*BASE, *POSITIONS["relative"], *layout, f"checkpoint.load={saved}"], str(resumed[name]))
+    run_layouts(2, [([*BASE, *POSITIONS["relative"], *layout, f"checkpoint.load={saved}"], str(resumed[name]))
                               for name, layout in RESHARD_TO.items()], timeout=600)
     out.update({f"resumed-{name}": (d, None, None) for name, d in resumed.items()})
     return out

@@ -8,7 +8,7 @@ holds against Megatron's formula, and checkpoints moving between zero stages and
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import BASE, GPT2, LLAMA, _rank_run, _rank_runs, load, losses
+from test_parallel_model import BASE, GPT2, LLAMA, load, losses, run_layout, run_layouts
 from megalm.validation import validate
 
 
@@ -179,9 +179,9 @@ def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):
              "dp4_zero2": ["parallel=dp4", "parallel.zero_stage=2"]}
     jobs = {name: ([*common, *layout, f"checkpoint.load={saved}"], str(tmp_path / name)) for name, layout in loads.items()}
     # One set of ranks per world size; the straight run comes first, so its checkpoint exists.
-    run_ranks(2, _rank_runs, [([*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight)),
+    run_layouts(2, [([*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight)),
                               jobs["dp2_zero1"], jobs["dp2_zero3"]])
-    run_ranks(4, _rank_runs, [jobs["dp4_zero2"]])
+    run_layouts(4, [jobs["dp4_zero2"]])
     ref, _ = losses(straight)
     for name in loads:
         assert losses(tmp_path / name)[0] == pytest.approx(ref[2:], rel=1e-5), name
@@ -209,7 +209,7 @@ def test_finetune_takes_the_weights_only(tmp_path):
     run(load(*BASE, *GPT2, "checkpoint.save=true", "trainer.max_steps=2"), source, 1)
     _, source_val = losses(source)
     tuned = tmp_path / "tuned"
-    run_ranks(2, _rank_run, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=3", "checkpoint.finetune=true",
+    run_layout(2, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=3", "checkpoint.finetune=true",
                              f"checkpoint.load={source / 'checkpoints'}"], str(tuned))
     records = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
