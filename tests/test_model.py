@@ -70,6 +70,36 @@ def test_meta_build_then_materialise_keeps_tie_and_init(tiny_model_cfg):
         torch.testing.assert_close(p1, p2, rtol=0, atol=0)
 
 
+def test_a_meta_build_runs_no_initialiser_and_a_cpu_build_runs_them_all():
+    """On the meta device torch.nn.init's initialisers are skipped: they compute nothing there, cost most of a
+    meta build, and torch._refs' normal_ imports torch's compiler (1-2 s of a process's start) on the way.
+    Counted in a fresh process, which has not imported the compiler yet."""
+    import subprocess
+    import sys
+    script = (
+        "import sys, torch\n"
+        "from torch.overrides import TorchFunctionMode\n"
+        "from megalm.models import build_model\n"
+        "from megalm.models.gpt import GPTConfig\n"
+        "class Count(TorchFunctionMode):  # the in-place random and fill kernels the initialisers end in\n"
+        "    n = 0\n"
+        "    def __torch_function__(self, func, types, args=(), kwargs=None):\n"
+        "        Count.n += getattr(func, '__name__', '') in ('normal_', 'uniform_', 'fill_', 'zero_')\n"
+        "        return func(*args, **(kwargs or {}))\n"
+        "cfg = GPTConfig(name='t', num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=100)\n"
+        "with Count():\n"
+        "    meta = build_model(cfg, 'meta')\n"
+        "print(Count.n, 'torch._dynamo' in sys.modules, all(p.is_meta for p in meta.parameters()))\n"
+        "with Count():\n"
+        "    build_model(cfg, 'cpu')\n"
+        "print(Count.n)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    meta_line, cpu_line = out.stdout.split("\n")[:2]
+    assert meta_line == "0 False True"
+    assert int(cpu_line) > 0  # the same build on the CPU initialises as torch's modules do
+
+
 def test_init_keyed_by_global_name(tiny_model_cfg):
     a, b = make(tiny_model_cfg, 1), make(tiny_model_cfg, 2)
     assert not torch.equal(a.blocks["0"].attn.qkv.weight, b.blocks["0"].attn.qkv.weight)

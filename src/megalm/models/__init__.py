@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from megalm.config import ModelConfig
 from megalm.models.family import Family, family_of
@@ -24,8 +25,30 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
     not yet initialised. Pass device="meta" for a model that takes no memory (for planning, and
     for parallelize to shard before allocating)."""
     family = family_of(cfg.arch)
-    with torch.device(device):
+    with torch.device(device), _SkipMetaInit():
         return family.build(cfg)
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """torch.nn.init's initialisers (normal_, kaiming_uniform_, ones_, ...) and the tensor fills they end in leave a
+    meta tensor as it is.
+
+    Modules initialise their parameters as they are built, which on the meta device computes nothing yet
+    cost most of a meta build (megalm.plan builds a 175B model once per rank position it reads) and made
+    torch import its compiler on the way (torch._refs' normal_). init_weights initialises every parameter
+    after materialize, so nothing is lost."""
+
+    FILLS = frozenset({"normal_", "uniform_", "fill_", "zero_"})  # value-only: a meta tensor's shape stays
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.FILLS or (getattr(func, "__module__", None) == "torch.nn.init" and name.endswith("_")
+                                  and not name.startswith("_")):
+            tensor = args[0] if args else kwargs.get("tensor")
+            if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
 
 
 def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
