@@ -202,7 +202,7 @@ def test_an_expert_parallel_checkpoint_continues_the_curve_in_one_process(tmp_pa
     run(load(*BASE, *CKPT), tmp_path / "single", 1)
     ref, _ = _records(tmp_path / "single")
     run_layouts(4, [([*BASE, *CKPT, "parallel=tp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
-                                "parallel.zero_stage=3", "trainer.max_steps=2"], str(tmp_path / "ep"))])
+                      "parallel.zero_stage=3", "trainer.max_steps=2"], str(tmp_path / "ep"))])
     run(load(*BASE, *CKPT, f"checkpoint.load={tmp_path / 'ep' / 'checkpoints' / 'step_00000002'}"),
         tmp_path / "after", 1)
     assert _records(tmp_path / "ep")[0]["loss"] == pytest.approx(ref["loss"][:2], rel=1e-5)

@@ -149,9 +149,9 @@ def layout_runs(tmp_path_factory):
         dirs = {i: tmp_path_factory.mktemp(f"layout{i}") for i in mine}
         jobs = composed([([*BASE, *(GPT2 if LAYOUTS[i][0] == "gpt2" else LLAMA), *LAYOUTS[i][1]], str(dirs[i]))
                          for i in mine])
+        # test_tp_dropout_compiles_whole_..., on the same ranks (2 layers: half the tracing)
         extra = ([load(*BASE, *LLAMA, "model.num_layers=2", "model.dropout=0.2", "model.attention_dropout=0.2",
-                       "parallel=tp2", *case) for case in COMPILED_DROPOUT]
-                 if world == 2 else ())  # test_tp_dropout_compiles_whole_..., on the same ranks (2 layers: half the tracing)
+                       "parallel=tp2", *case) for case in COMPILED_DROPOUT] if world == 2 else ())
         per_rank = run_ranks(world, _rank_runs_then_dropout, jobs, extra, timeout=240.0 * len(jobs))
         for k, i in enumerate(mine):
             runs[i] = (dirs[i], [r[0][k] for r in per_rank])
@@ -323,7 +323,7 @@ def test_checkpoint_resumes_and_loads_at_single(tmp_path, family, layout, world)
     parallel = [*common, *layout]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     run_layouts(world, [(parallel, str(straight)), ([*parallel, "trainer.max_steps=2"], str(resumed)),
-                                 (parallel, str(resumed))])  # the last auto-resumes from step 2 in its directory
+                        (parallel, str(resumed))])  # the last auto-resumes from step 2 in its directory
     ref, _ = losses(straight)
     assert losses(resumed)[0] == pytest.approx(ref, rel=1e-5)
 

@@ -49,6 +49,6 @@ def test_full_recompute_under_tp_replays_the_tp_dropout_stream(tmp_path):
     common = [*BASE, *LLAMA, "model.dropout=0.1", "model.attention_dropout=0.1", "parallel=tp2",
               "parallel.sequence_parallel=true"]
     run_layouts(2, [(common, str(tmp_path / "plain")),  # one set of ranks for both runs
-                              ([*common, "parallel.recompute=full"], str(tmp_path / "full"))])
+                    ([*common, "parallel.recompute=full"], str(tmp_path / "full"))])
     a, b = losses(tmp_path / "plain")[0], losses(tmp_path / "full")[0]
     assert b == pytest.approx(a, rel=1e-6)

@@ -39,7 +39,7 @@ def runs(tmp_path_factory):
     step2, single_step2 = d["saved"] / STEP2, d["single"] / STEP2
     run(load(*COMMON, f"checkpoint.load={step2}"), d["at_single"], 1)
     run_layouts(4, [([*COMMON, *layout, f"checkpoint.load={step2}"], str(d[name]))
-                              for name, layout in LOADS])
+                    for name, layout in LOADS])
     run_layouts(2, [
         ([*COMMON, "parallel=dp2", "parallel.zero_stage=3", f"checkpoint.load={step2}"], str(d["dp2_zero3"])),
         ([*COMMON, "parallel=pp2", "parallel.virtual_pipeline_size=2",

@@ -95,7 +95,7 @@ def runs(tmp_path_factory):
     saved = dirs[f"relative-{'-'.join(RESHARD_FROM)}"] / "checkpoints" / "step_00000002"
     resumed = {name: tmp_path_factory.mktemp("t5_resumed") for name in RESHARD_TO}
     run_layouts(2, [([*BASE, *POSITIONS["relative"], *layout, f"checkpoint.load={saved}"], str(resumed[name]))
-                              for name, layout in RESHARD_TO.items()], timeout=600)
+                    for name, layout in RESHARD_TO.items()], timeout=600)
     out.update({f"resumed-{name}": (d, None, None) for name, d in resumed.items()})
     return out
 

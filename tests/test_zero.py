@@ -180,7 +180,7 @@ def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):
     jobs = {name: ([*common, *layout, f"checkpoint.load={saved}"], str(tmp_path / name)) for name, layout in loads.items()}
     # One set of ranks per world size; the straight run comes first, so its checkpoint exists.
     run_layouts(2, [([*common, "parallel=dp2", "parallel.zero_stage=3"], str(straight)),
-                              jobs["dp2_zero1"], jobs["dp2_zero3"]])
+                    jobs["dp2_zero1"], jobs["dp2_zero3"]])
     run_layouts(4, [jobs["dp4_zero2"]])
     ref, _ = losses(straight)
     for name in loads:
@@ -210,7 +210,7 @@ def test_finetune_takes_the_weights_only(tmp_path):
     _, source_val = losses(source)
     tuned = tmp_path / "tuned"
     run_layout(2, [*BASE, *GPT2, "parallel=dp2", "parallel.zero_stage=3", "checkpoint.finetune=true",
-                             f"checkpoint.load={source / 'checkpoints'}"], str(tuned))
+                   f"checkpoint.load={source / 'checkpoints'}"], str(tuned))
     records = [json.loads(line) for line in (tuned / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
