@@ -6,6 +6,7 @@ registry (megalm.models.family), so callers never name a family's classes.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -25,7 +26,8 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Modu
     not yet initialised. Pass device="meta" for a model that takes no memory (for planning, and
     for parallelize to shard before allocating)."""
     family = family_of(cfg.arch)
-    with torch.device(device), _SkipMetaInit():
+    skip = _SkipMetaInit() if torch.device(device).type == "meta" else contextlib.nullcontext()
+    with torch.device(device), skip:
         return family.build(cfg)
 
 
