@@ -51,3 +51,32 @@ def test_a_compiled_rope_model_compiles_once_for_training_and_once_for_eval(tmp_
     assert counters["stats"]["unique_graphs"] == 2
     assert not counters["graph_break"]
     torch._dynamo.reset()
+
+
+def test_a_compiled_tanh_gelu_is_its_sigmoid_form_with_the_same_values_and_gradients():
+    """Inside a compiled graph the tanh GELU is written h * sigmoid(2u) (inductor's tanh is slow on CPU):
+    the graph holds a sigmoid and no tanh or gelu, and since 0.5 (1 + tanh u) = sigmoid(2u) exactly, values
+    and gradients match F.gelu's tanh approximation to fp64 rounding. Eagerly it is F.gelu itself."""
+    import torch
+    import torch.nn.functional as F
+    from megalm.models.layers import activate
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    h = torch.randn(64, 32, dtype=torch.float64) * 3
+    compiled = torch.compile(lambda t: activate(t, "gelu"), backend=capture, fullgraph=True)
+    x1, x2 = h.clone().requires_grad_(), h.clone().requires_grad_()
+    ours, ref = compiled(x1), F.gelu(x2, approximate="tanh")
+    targets = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("sigmoid" in t for t in targets), targets
+    assert not any("tanh" in t or "gelu" in t for t in targets), targets
+    gy = torch.randn_like(h)
+    ours.backward(gy)
+    ref.backward(gy)
+    torch.testing.assert_close(ours, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-12, atol=1e-12)
+    assert torch.equal(activate(h, "gelu"), F.gelu(h, approximate="tanh"))
+    assert torch.equal(activate(h, "gelu_exact"), F.gelu(h))

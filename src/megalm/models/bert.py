@@ -26,7 +26,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.init import init_by_name
-from megalm.models.layers import MLP, Attention, build_norm
+from megalm.models.layers import MLP, Attention, build_norm, gelu
 from megalm.models.losses import LMLoss, classification_loss, fold_choices, span_loss
 
 VOCAB_PARAMS = ("embed.tok.weight", "lm_head.out.weight", "lm_head.out.bias")  # rows = padded vocabulary
@@ -119,12 +119,12 @@ class MLMHead(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.dense = nn.Linear(h, h)
-        self.approximate = "tanh" if cfg.activation == "gelu" else "none"
+        self.exact = cfg.activation != "gelu"
         self.norm = build_norm(cfg)
         self.out = nn.Linear(h, vocab_rows, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.norm(F.gelu(self.dense(x), approximate=self.approximate)))
+        return self.out(self.norm(gelu(self.dense(x), exact=self.exact)))
 
 
 class BERT(nn.Module):
