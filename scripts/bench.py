@@ -27,6 +27,7 @@ import os
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, OptimizerConfig, TrainerConfig, conf_dir, model_config_from
 from megalm.models import build_model, flops_per_token, init_weights, lm_loss
-from megalm.models.layers import AttentionCore
+from megalm.models.layers import MLP, AttentionCore
 from megalm.training.compiling import apply_compile
 from megalm.training.cpu_memory import CHOICES as CPU_ALLOCATORS, apply_cpu_allocator
 from megalm.training.metrics import measure_matmul_peak
@@ -74,7 +75,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma-separated: eager, compiled (torch.compile of the whole model, megalm's "
                         "trainer.compile=model), compiled-blocks (megalm's blocks compiled one by one; HF is compiled "
                         "whole), bf16 (CPU autocast), bf16-compiled, bf16-compiled-sdpa (megalm's attention on SDPA "
-                        "instead of model.attention_backend=auto's unfused choice there); each runs for megalm and HF "
+                        "instead of model.attention_backend=auto's unfused choice there), compiled-tanh-gelu and "
+                        "bf16-compiled-tanh-gelu (megalm's MLP on aten's tanh GELU kernel instead of the sigmoid form "
+                        "it takes in a compiled graph); each runs for megalm and HF "
                         "alike. Any of them with +fused-loss (eager+fused-loss, bf16-compiled+fused-loss, ...): "
                         "megalm's model with model.fused_loss=true, HF's as in the mode without it")
     p.add_argument("--json", type=Path, help="also write the results here")
@@ -87,8 +90,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled", "bf16-compiled-sdpa")
+MODES = ("eager", "compiled", "compiled-blocks", "bf16", "bf16-compiled", "bf16-compiled-sdpa", "compiled-tanh-gelu",
+         "bf16-compiled-tanh-gelu")
 FUSED = "+fused-loss"  # a mode's suffix: megalm's head and loss fused (model.fused_loss), HF's unchanged
+
+
+def _mlp_on_aten_gelu(mlp, x):
+    """MLP.forward with aten's tanh GELU kernel in place of `gelu`'s sigmoid form under compile."""
+    return mlp.dropout(mlp.fc2(torch.nn.functional.gelu(mlp.fc1(x), approximate="tanh")))
 
 
 def model_config(args) -> ModelConfig:
@@ -183,6 +192,10 @@ def main(argv=None) -> dict:
             for module in m_model.modules():
                 if isinstance(module, AttentionCore):
                     module.backend = "sdpa"
+        if mode.removesuffix(FUSED).endswith("-tanh-gelu"):  # the GELU a compiled graph would not take
+            for module in m_model.modules():
+                if isinstance(module, MLP):
+                    module.forward = types.MethodType(_mlp_on_aten_gelu, module)
         if "compiled" in mode:  # HF's user compiles the whole model; megalm's option picks the granularity
             apply_compile(m_model, "blocks" if mode == "compiled-blocks" else "model", "inductor", "cpu")
             h_model.compile()
@@ -247,7 +260,8 @@ def main(argv=None) -> dict:
             ratios[f"megalm/{mode} : megalm/{first}"] = paired(f"megalm/{mode}", f"megalm/{first}")
             ratios[f"megalm/{mode} : hf/{first}"] = paired(f"megalm/{mode}", f"hf/{first}")
             ratios[f"hf/{mode} : hf/{first}"] = paired(f"hf/{mode}", f"hf/{first}")
-    pairs = [("compiled", "compiled-blocks"), ("bf16", "bf16-compiled"), ("bf16-compiled-sdpa", "bf16-compiled")]
+    pairs = [("compiled", "compiled-blocks"), ("bf16", "bf16-compiled"), ("bf16-compiled-sdpa", "bf16-compiled"),
+             ("compiled-tanh-gelu", "compiled"), ("bf16-compiled-tanh-gelu", "bf16-compiled")]
     for a, b in pairs + [(m.removesuffix(FUSED), m) for m in args.modes if m.endswith(FUSED)]:
         if a in args.modes and b in args.modes:
             ratios[f"megalm/{b} : megalm/{a}"] = paired(f"megalm/{b}", f"megalm/{a}")
