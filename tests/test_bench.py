@@ -17,22 +17,24 @@ def test_bench_smoke(tmp_path):
     out_path = tmp_path / "bench.json"
     # The current thread count, so the test leaves torch as it found it for the tests after it.
     bench.main(["--model", "gpt_tiny", "--micro-batch", "2", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16,eager+fused-loss",
+                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16,eager+fused-loss,bf16+fused-loss",
                 "--profile", "1",
                 "--json", str(out_path)])
     out = json.loads(out_path.read_text())
     assert set(out["results"]) == {"megalm/eager", "hf/eager", "megalm/bf16", "hf/bf16", "megalm/eager+fused-loss",
-                                   "hf/eager+fused-loss"}
+                                   "hf/eager+fused-loss", "megalm/bf16+fused-loss", "hf/bf16+fused-loss"}
     assert all(r["tokens_per_s"] > 0 for r in out["results"].values())
     assert {"megalm/bf16 : hf/bf16", "megalm/bf16 : megalm/eager",
             "megalm/eager+fused-loss : megalm/eager"} <= set(out["paired_ratios"])
+    # each bf16 mode against HF's bf16 eager step, the baseline a speed target names
+    assert "megalm/bf16+fused-loss : hf/bf16" in out["paired_ratios"]
     # The fused head + loss trains from the same weights on the same batches as the plain one.
     plain, fused = (out["results"][f"megalm/eager{s}"]["final_loss"] for s in ("", "+fused-loss"))
     assert abs(fused - plain) < 1e-4 * abs(plain)
     assert out["params"]["megalm"] == out["params"]["hf"] > 0
     assert out["initial_logit_max_abs_diff"] < 1e-3
     assert out["ratio"] > 0 and "paired_ratio" in out
-    assert set(out["profiles"]) == {"megalm/eager", "megalm/bf16", "megalm/eager+fused-loss"}
+    assert set(out["profiles"]) == {"megalm/eager", "megalm/bf16", "megalm/eager+fused-loss", "megalm/bf16+fused-loss"}
     assert all(0 < p["matmul_share"] < 1 and p["top"] for p in out["profiles"].values())
 
 
