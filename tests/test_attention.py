@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from megalm.models import KVCache, build_model, init_weights
 from megalm.models.gpt import GPTConfig
-from megalm.models.layers import AttentionCore, attention_backend, unfused_attention
+from megalm.models.layers import CAUSAL_SPLIT_MIN, AttentionCore, attention_backend, unfused_attention
 
 
 def _qkv(B=2, H=4, T=6, S=6, hd=8, seed=0):
@@ -48,6 +48,24 @@ def test_unfused_equals_sdpa_forward_and_backward(case):
     ours_grads = torch.autograd.grad(ours, (q, k, v), grad)
     ref_grads = torch.autograd.grad(ref, (q, k, v), grad)
     for a, b in zip(ours_grads, ref_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("T", [CAUSAL_SPLIT_MIN, 2 * CAUSAL_SPLIT_MIN])
+def test_long_causal_unfused_attention_skips_the_masked_quarter_and_equals_sdpa(T):
+    """From CAUSAL_SPLIT_MIN tokens the causal unfused attention runs as two query halves, the first half against
+    the first half of the keys (at 2x that, the first half splits again): SDPA's values and gradients, with the
+    matmul FLOPs 3/4 (11/16 at 2x) of the whole score matrix's; what is skipped lies under the mask."""
+    from torch.utils.flop_counter import FlopCounterMode
+    q, k, v = _qkv(B=1, H=2, T=T, S=T, hd=8)
+    with FlopCounterMode(display=False) as counter:
+        ours = unfused_attention(q, k, v, causal=True)
+    whole = 2 * (2 * 1 * 2 * T * T * 8)  # q k^T and probs v over every (query, key) pair
+    assert counter.get_total_flops() == whole * (3 / 4 if T == CAUSAL_SPLIT_MIN else 11 / 16)
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    grad = torch.randn_like(ref)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), grad), torch.autograd.grad(ref, (q, k, v), grad)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

@@ -68,6 +68,10 @@ SINGLE = {
     "gpt2-unfused": [*GPT2, UNFUSED], "gpt2-bf16-unfused": [*GPT2, "trainer.precision=bf16", UNFUSED],
     "llama-bf16-dropout-unfused": [*LLAMA, *DROPOUT, "trainer.precision=bf16", UNFUSED],
     "bert-unfused": [*BERT, UNFUSED],
+    # 256 tokens: the causal unfused attention runs as two query halves (CAUSAL_SPLIT_MIN), k and v copied again
+    # for the first half where the fold copies them (GPT-2), in place where they are RoPE's and the repeat's.
+    "gpt2-unfused-256": [*GPT2, UNFUSED, "model.seq_length=256"],
+    "llama-bf16-unfused-256": [*LLAMA, "trainer.precision=bf16", UNFUSED, "model.seq_length=256"],
     # Mixtures of experts (model=moe_tiny: 4 SwiGLU experts, 2 a token, both aux losses): dropless routing runs
     # tokens x k rows whatever the router picks; with a capacity, k = E sends every token to every expert, so
     # each expert's share (and what it drops) is known.

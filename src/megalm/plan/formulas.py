@@ -632,20 +632,28 @@ def _unfused_core(d: _Shape) -> float:
       matmul's input; with attention dropout its noise (CPU: the compute dtype) and the dropped probabilities;
     - the second matmul's v: the grouped-query repeat (h), or a view of qkv, folded as q is;
     - the masked_fill's bool mask: causal, an s x s one a layer (s / b bytes a token); BERT's key mask, one a token;
-    - the output projection's input, a copy of the heads' output merged back (h)."""
+    - the output projection's input, a copy of the heads' output merged back (h).
+    Causal self-attention of CAUSAL_SPLIT_MIN tokens or more without dropout runs as two query halves, the first
+    against the first half of the keys: scores and masks are 3/4 of the whole, and k and v, where the fold copies
+    them, are copied once more for the first half (kv / 2 each)."""
+    from megalm.models.layers import CAUSAL_SPLIT_MIN  # here: the formulas import no torch until they need it
     h, kv, e, t = d.h, d.kv, d.e, d.t
     grouped = d.groups > 1
+    split = not d.bert and d.attention_dropout == 0 and d.s >= CAUSAL_SPLIT_MIN and d.s % 2 == 0
     own = (h if d.rope else None, h if grouped else kv if d.rope else None, h if grouped else None)  # q, k, v
     kept = sum(w for w in own if w is not None)
     views = [width for width, w in zip((h, kv, kv), own) if w is None]  # views of the qkv output
     if views:
-        kept += sum(views) if _reshape_copies(d.b, d.a // t, False) else h + 2 * kv
-    probs = d.a * d.s / t
+        copies = _reshape_copies(d.b, d.a // t, False)
+        kept += sum(views) if copies else h + 2 * kv
+        if copies and split:
+            kept += sum(views[1:]) / 2 if own[0] is None else sum(views) / 2  # k's and v's first-half copies
+    probs = d.a * d.s / t * (0.75 if split else 1.0)
     if d.attention_dropout > 0:
         scores = probs * (FP32 + d.mask(d.e) + d.e)
     else:
         scores = probs * (FP32 + (d.e if d.autocast else 0))
-    masks = d.s / d.b if not d.bert else 1.0
+    masks = (0.75 if split else 1.0) * d.s / d.b if not d.bert else 1.0
     return (kept + h) * e / t + scores + masks
 
 
