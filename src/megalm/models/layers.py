@@ -226,7 +226,7 @@ def gelu(h: torch.Tensor, exact: bool = False) -> torch.Tensor:
 
     Inside a compiled graph the approximation is written as h * sigmoid(2 u), the same function:
     inductor's generated code pays about three exps' time for a tanh on CPU, and the sigmoid form
-    measured 2.2-2.8x faster forward + backward there (docs/PERFORMANCE.md). Eagerly aten's one gelu
+    measured 2.0-2.2x faster forward + backward there (docs/PERFORMANCE.md). Eagerly aten's one gelu
     kernel beats the several ops the sigmoid form would be.
     """
     if exact:
