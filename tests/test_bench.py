@@ -17,8 +17,8 @@ def test_bench_smoke(tmp_path):
     out_path = tmp_path / "bench.json"
     # The current thread count, so the test leaves torch as it found it for the tests after it.
     bench.main(["--model", "gpt_tiny", "--micro-batch", "2", "--rounds", "1", "--steps", "2", "--warmup", "1",
-                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()), "--modes", "eager,bf16,eager+fused-loss,bf16+fused-loss",
-                "--profile", "1",
+                "--peak-seconds", "0.02", "--threads", str(torch.get_num_threads()),
+                "--modes", "eager,bf16,eager+fused-loss,bf16+fused-loss", "--profile", "1",
                 "--json", str(out_path)])
     out = json.loads(out_path.read_text())
     assert set(out["results"]) == {"megalm/eager", "hf/eager", "megalm/bf16", "hf/bf16", "megalm/eager+fused-loss",
