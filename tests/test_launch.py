@@ -122,3 +122,44 @@ def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     log = (tmp_path / "flaky" / "train.log").read_text()
     assert "resuming at step 2" in log  # the restarted ranks began at the step-2 checkpoint, not from scratch
     assert (tmp_path / "flaky" / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+
+
+def test_after_a_signal_no_keep_alive_timer_is_left_to_be_freed_on_its_own_thread():
+    """On a signal torch's launcher leaves its rendezvous keep-alive timer running. Freed on the timer's own thread
+    (a heartbeat holds its handler), the timer's finalizer would join that thread and Python would print the
+    ignored RuntimeError on the user's terminal, as it once did in the stop-signal test. spawn_local cancels
+    the timers first; here a timer whose heartbeat holds the handler stands in for torch's."""
+    import threading
+    import time
+    import weakref
+    from datetime import timedelta
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+    from megalm.launch import _stop_rendezvous_heartbeats
+
+    class Handler:
+        pass
+
+    beating = threading.Event()
+
+    def heartbeat(ref):
+        held = ref()  # as torch's keep-alive does: a strong reference while the beat lasts
+        beating.set()
+        time.sleep(0.3)
+        del held
+
+    handler = Handler()
+    handler.timer = _PeriodicTimer(timedelta(seconds=0.01), heartbeat, weakref.ref(handler))
+    handler.timer.start()
+    thread = handler.timer._thread
+    ignored, hook = [], sys.unraisablehook
+    sys.unraisablehook = ignored.append
+    try:
+        assert beating.wait(30)
+        _stop_rendezvous_heartbeats()
+        del handler  # the last reference outside a heartbeat in flight, if the timer still beats
+        thread.join(30)
+        time.sleep(0.1)
+    finally:
+        sys.unraisablehook = hook
+    assert not thread.is_alive()
+    assert not ignored, [f"{type(u.exc_value).__name__}: {u.exc_value}" for u in ignored]

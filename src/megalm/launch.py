@@ -124,6 +124,7 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
         except ChildFailedError as e:
             raise rank_failure(Path(reports), e) from None
         except SignalException as e:
+            _stop_rendezvous_heartbeats()
             return _after_signal(Path(reports), e, world_size)
         finally:
             signal.signal(signal.SIGUSR1, usr1)
@@ -134,6 +135,21 @@ def spawn_local(cfg: Config, run_dir: Path, world_size: int, entrypoint=None):
             else:
                 os.environ[REPORT_DIR_ENV] = saved
     return results[0]
+
+
+def _stop_rendezvous_heartbeats() -> None:
+    """Cancel torch's rendezvous keep-alive timers, on this thread. After a signal, torch's launcher leaves
+    its rendezvous handler open (launch_agent skips its shutdown then, so other nodes could rejoin) and
+    the handler's keep-alive timer running. When the handler is later freed on the timer's own thread
+    (the timer holds it while it sends a heartbeat), the timer's finalizer joins that very thread, and
+    Python prints the RuntimeError it raises as an ignored exception on the user's terminal. Cancelling
+    stops and joins each timer thread from here, as the handler's shutdown would have; the rendezvous
+    itself stays open."""
+    import gc
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _PeriodicTimer):  # not isinstance: it reads __class__, which some objects warn on
+            obj.cancel()
 
 
 def _reports(folder: Path) -> List[dict]:
