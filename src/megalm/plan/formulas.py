@@ -646,8 +646,8 @@ def _unfused_core(d: _Shape) -> float:
     if views:
         copies = _reshape_copies(d.b, d.a // t, False)
         kept += sum(views) if copies else h + 2 * kv
-        if copies and split:
-            kept += sum(views[1:]) / 2 if own[0] is None else sum(views) / 2  # k's and v's first-half copies
+        if copies and split:  # k's and v's first-half copies, where they are views
+            kept += sum(kv for w in own[1:] if w is None) / 2
     probs = d.a * d.s / t * (0.75 if split else 1.0)
     if d.attention_dropout > 0:
         scores = probs * (FP32 + d.mask(d.e) + d.e)
