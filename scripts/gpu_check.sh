@@ -5,24 +5,33 @@
 #
 #   bash scripts/gpu_check.sh [out_dir]          # about 5 minutes on an H100 / H200
 #
-# Each run: model=gpt_1_3b (24 layers, hidden 2048, seq 2048, vocab 50257), data=mock,
-# trainer.precision=bf16, micro-batch 4, STEPS steps (default 30) logged every 10; the row is the
-# last record (steps STEPS-9..STEPS), so the first step's compilation is not in it. MFU is against
-# the device's dense bf16 peak from its datasheet when the name is known (A100 312 T, H100 / H200
-# 989 T), else against a bf16 matmul measured at start-up (cluster=local's rule).
+# Each run: model=$MODEL (default gpt_1_3b: 24 layers, hidden 2048, seq 2048, vocab 50257),
+# data=mock, trainer.precision=bf16, micro-batch $MICRO_BATCH (default 4), $STEPS steps (default 30)
+# logged every 10; the row is the last record (steps STEPS-9..STEPS), so the first step's compilation
+# is not in it. MFU is against the device's dense bf16 peak from its datasheet when the name is known
+# (A100 312 T, H100 / H200 989 T), else against a bf16 matmul measured at start-up (cluster=local's
+# rule). $GPU_CHECK_EXTRA (space-separated overrides) is added to every run. GPU_CHECK_CPU=1 runs
+# it on a machine without a CUDA device too, so the script itself can be tried on CPU with a small
+# MODEL (the tests do: tests/test_bench.py).
 set -euo pipefail
 
 OUT="${1:-${OUT:-gpu_check_out}}"
 STEPS="${STEPS:-30}"
+MODEL="${MODEL:-gpt_1_3b}"
+MICRO_BATCH="${MICRO_BATCH:-4}"
 PY="${PYTHON:-python}"
+read -r -a EXTRA <<< "${GPU_CHECK_EXTRA:-}"
 
 if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-    echo "gpu_check: no CUDA device here (or no torch): nothing to measure"
-    exit 0
+    if [ "${GPU_CHECK_CPU:-0}" != 1 ]; then
+        echo "gpu_check: no CUDA device here (or no torch): nothing to measure"
+        exit 0
+    fi
+    echo "gpu_check: no CUDA device here; GPU_CHECK_CPU=1, so the runs go on the CPU"
 fi
 
 mkdir -p "$OUT"
-NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")"
+NAME="$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')")"
 PEAK="$("$PY" - "$NAME" <<'EOF'
 import sys
 name = sys.argv[1]
@@ -37,10 +46,11 @@ run() {  # run <label> <overrides...>
     local dir="$OUT/$label"
     rm -rf "$dir"
     local start=$SECONDS
-    if CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" timeout 300 "$PY" -m megalm.train model=gpt_1_3b data=mock \
-        trainer.precision=bf16 trainer.micro_batch_size=4 trainer.global_batch_size=4 \
+    if CUDA_VISIBLE_DEVICES="${CUDA_VISIBLE_DEVICES:-0}" timeout 300 "$PY" -m megalm.train model="$MODEL" data=mock \
+        trainer.precision=bf16 trainer.micro_batch_size="$MICRO_BATCH" trainer.global_batch_size="$MICRO_BATCH" \
         trainer.max_steps="$STEPS" trainer.log_interval=10 trainer.eval_interval=0 trainer.progress_bar=false \
-        checkpoint.save=false cluster.peak_flops="$PEAK" hydra.run.dir="$dir" "$@" > "$OUT/$label.log" 2>&1; then
+        checkpoint.save=false cluster.peak_flops="$PEAK" hydra.run.dir="$dir" "$@" ${EXTRA[@]+"${EXTRA[@]}"} \
+        > "$OUT/$label.log" 2>&1; then
         echo "$label: done in $((SECONDS - start)) s"
     else
         echo "$label: failed after $((SECONDS - start)) s (last lines of $OUT/$label.log):"

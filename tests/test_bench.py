@@ -99,6 +99,26 @@ def test_gpu_check_does_nothing_without_a_cuda_device(tmp_path):
     assert "no CUDA device here" in done.stdout and not (tmp_path / "out").exists()
 
 
+def test_gpu_check_tried_on_cpu_fills_its_table_from_the_runs_metrics(tmp_path):
+    """GPU_CHECK_CPU=1 with a small model: the script's three runs train, and its table is read from
+    what they logged (a row of dashes is a run without metrics)."""
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_CPU": "1", "MODEL": "gpt_tiny", "STEPS": "10",
+           "MICRO_BATCH": "2", "GPU_CHECK_EXTRA": "trainer.compile_backend=aot_eager trainer.num_threads=1",
+           "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(["bash", str(BENCH.parent / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run ")}
+    assert set(rows) == {"eager", "compiled", "compiled_blocks"}, done.stdout
+    for label, (steps, tokens_per_s, tflops, mfu, memory, compile_s) in rows.items():
+        assert steps == "10" and float(tokens_per_s) > 0 and mfu.endswith("%") and float(memory) > 0, done.stdout
+        assert (compile_s == "-") == (label == "eager"), done.stdout  # only the compiled runs compiled
+
+
 def test_bench_loss_smoke(tmp_path):
     """scripts/bench_loss.py, in its own process (it sets malloc's thresholds for the whole process): the three
     paths give the same loss, and the fused ones keep less for backward than the unfused one's log-softmax."""
