@@ -1,4 +1,5 @@
 import os
+import sys
 
 import pytest
 
@@ -7,6 +8,14 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_processes_end_with_the_session():
+    """The rank processes tests/distributed.py keeps for the session end with it, in this process."""
+    yield
+    if "distributed" in sys.modules:
+        sys.modules["distributed"].close_all()
 
 
 @pytest.fixture

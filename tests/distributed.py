@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _worker(rank: int, world_size: int, store_port: int, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, store_port: int, inbox, outbox, parent: int) -> None:
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
     os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"] = str(rank), str(world_size)
     seed = torch.initial_seed()
@@ -42,7 +42,12 @@ def _worker(rank: int, world_size: int, store_port: int, inbox, outbox) -> None:
         outbox.put((rank, "error", traceback.format_exc()))
         return
     while True:
-        job = inbox.get()
+        try:
+            job = inbox.get(timeout=2.0)
+        except queue_module.Empty:
+            if os.getppid() != parent:  # the test process is gone without closing us: nobody will call again
+                os._exit(0)
+            continue
         if job is None:
             break
         torch.set_num_threads(1)
@@ -87,8 +92,8 @@ class _Ranks:
         self.store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.inboxes[r], self.outbox),
-                                  daemon=True)
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.store.port, self.inboxes[r], self.outbox,
+                                                        os.getpid()), daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -108,7 +113,9 @@ _RANKS: Dict[int, _Ranks] = {}
 
 
 @atexit.register
-def _close_all() -> None:
+def close_all() -> None:
+    """End every set of ranks (conftest's session teardown calls it: a pytest-xdist worker may exit without
+    running atexit's handlers)."""
     for ranks in _RANKS.values():
         ranks.close(kill=False)
     _RANKS.clear()
