@@ -53,6 +53,37 @@ def test_a_compiled_rope_model_compiles_once_for_training_and_once_for_eval(tmp_
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize("make", ["table", "vocab_parallel"])
+def test_a_compiled_lookup_takes_atens_embedding_backward_with_the_same_gradient(make):
+    """Compiled, an embedding lookup's backward is aten's kernel (megalm::embedding_grad) instead of the
+    scatter of atomic adds inductor would generate: the backward graph, with inductor's decompositions,
+    holds the op and no index_put, and the table's gradient is eager's to the bit (the same kernel)."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+    from torch._inductor.decomposition import select_decomp_table
+    from megalm.models.layers import TableEmbedding
+    from megalm.parallel.tensor import VocabParallelEmbedding
+    torch.manual_seed(0)
+    table = TableEmbedding(64, 8) if make == "table" else VocabParallelEmbedding(64, 8, group=None, reduce="none")
+    torch.nn.init.normal_(table.weight)
+    ids, gy = torch.randint(0, 64, (4, 33)), torch.randn(4, 33, 8)
+    table(ids).backward(gy)
+    eager = table.weight.grad
+    table.weight.grad = None
+    backward = []
+
+    def capture(gm, example_inputs):
+        return aot_module_simplified(gm, example_inputs, fw_compiler=lambda g, _: make_boxed_func(g.forward),
+                                     bw_compiler=lambda g, _: backward.append(g) or make_boxed_func(g.forward),
+                                     decompositions=select_decomp_table())
+
+    torch.compile(table, backend=capture, fullgraph=True)(ids).backward(gy)
+    targets = [str(n.target) for g in backward for n in g.graph.nodes if n.op == "call_function"]
+    assert "megalm.embedding_grad.default" in targets and not any("index_put" in t for t in targets), targets
+    assert torch.equal(table.weight.grad, eager)
+
+
 def test_a_compiled_tanh_gelu_is_its_sigmoid_form_with_the_same_values_and_gradients():
     """Inside a compiled graph the tanh GELU is written h * sigmoid(2u) (inductor's tanh is slow on CPU):
     the graph holds a sigmoid and no tanh or gelu, and since 0.5 (1 + tanh u) = sigmoid(2u) exactly, values

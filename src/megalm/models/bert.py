@@ -26,7 +26,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.init import init_by_name
-from megalm.models.layers import MLP, Attention, build_norm, gelu
+from megalm.models.layers import MLP, Attention, TableEmbedding, build_norm, gelu
 from megalm.models.losses import LMLoss, classification_loss, fold_choices, span_loss
 
 VOCAB_PARAMS = ("embed.tok.weight", "lm_head.out.weight", "lm_head.out.bias")  # rows = padded vocabulary
@@ -64,9 +64,9 @@ class BertEmbedding(nn.Module):
     def __init__(self, cfg: BertConfig, vocab_rows: int):
         super().__init__()
         h = cfg.hidden_size
-        self.tok = nn.Embedding(vocab_rows, h)
-        self.pos = nn.Embedding(cfg.seq_length, h)
-        self.types = nn.Embedding(cfg.num_tokentypes, h) if cfg.num_tokentypes > 0 else None
+        self.tok = TableEmbedding(vocab_rows, h)
+        self.pos = TableEmbedding(cfg.seq_length, h)
+        self.types = TableEmbedding(cfg.num_tokentypes, h) if cfg.num_tokentypes > 0 else None
         self.norm = build_norm(cfg) if cfg.norm_position == "post" else None
         self.drop = nn.Dropout(cfg.dropout)
 

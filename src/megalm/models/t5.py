@@ -39,7 +39,7 @@ from megalm.config import ModelConfig
 from megalm.errors import ConfigError
 from megalm.models.family import Family, Part, Parts
 from megalm.models.init import init_by_name
-from megalm.models.layers import MLP, Attention, AttentionCore, build_norm
+from megalm.models.layers import MLP, Attention, AttentionCore, TableEmbedding, build_norm
 from megalm.models.losses import LMLoss
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight", "head.bias")  # rows = padded vocabulary
@@ -113,7 +113,7 @@ class RelativeBias(nn.Module):
 
     def __init__(self, cfg: T5Config, bidirectional: bool):
         super().__init__()
-        self.table = nn.Embedding(cfg.relative_attention_num_buckets, cfg.num_attention_heads)
+        self.table = TableEmbedding(cfg.relative_attention_num_buckets, cfg.num_attention_heads)
         self.bidirectional, self.max_distance = bidirectional, cfg.relative_attention_max_distance
         self.heads: Optional[Tuple[int, int]] = None
 
@@ -130,8 +130,8 @@ class T5Embedding(nn.Module):
 
     def __init__(self, cfg: T5Config, vocab_rows: int):
         super().__init__()
-        self.tok = nn.Embedding(vocab_rows, cfg.hidden_size)
-        self.pos = nn.Embedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding == "learned" else None
+        self.tok = TableEmbedding(vocab_rows, cfg.hidden_size)
+        self.pos = TableEmbedding(cfg.max_positions, cfg.hidden_size) if cfg.position_embedding == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, tokens: torch.Tensor, start: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from megalm.distributed.comm import (all_reduce_max, all_reduce_sum, copy_to_tp, gather_last_dim,
                                      gather_seq, group_rank, group_size, reduce_from_tp,
                                      reduce_scatter_seq)
+from megalm.models.layers import lookup
 
 
 @dataclass(frozen=True)
@@ -265,10 +266,10 @@ class VocabParallelEmbedding(_ShardedModule):
         if self.world > 1:
             outside = (ids < self.vocab_start) | (ids >= self.vocab_end)  # (B, T)
             local = (ids - self.vocab_start).masked_fill(outside, 0)
-            y = F.embedding(local, self.weight)  # (B, T, h)
+            y = lookup(local, self.weight)  # (B, T, h)
             y = y.masked_fill(outside.unsqueeze(-1), 0.0)
         else:
-            y = F.embedding(ids, self.weight)
+            y = lookup(ids, self.weight)
         if self.reduce == "all_reduce":
             return reduce_from_tp(y, self.group)  # (B, T, h)
         if self.reduce == "reduce_scatter":
