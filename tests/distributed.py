@@ -9,10 +9,11 @@ its process is gone, with its exit code.
 
 Starting N processes that import torch costs seconds (14 s for 8 ranks on two cores), far more
 than most functions run, so the ranks of a world size are kept for the session (each
-pytest-xdist worker keeps its own) and take one call after another: before each call every rank's torch seed and thread count are reset to a
-fresh process's, and compiled graphs are dropped. A call that fails (a rank raising, dying or
-timing out) ends that set of ranks, and the next call of its size starts a fresh one. A function
-that patches a module or class for its run must put it back before it returns.
+pytest-xdist worker keeps its own) and take one call after another: before each call every rank's
+torch seed and thread count are reset to a fresh process's, and compiled graphs are dropped. A
+call that fails (a rank raising, dying or timing out) ends that set of ranks, and the next call of
+its size starts a fresh one. A function that patches a module or class for its run must put it
+back before it returns.
 """
 
 from __future__ import annotations
