@@ -256,6 +256,26 @@ def test_cli_entry_points_agree(jsonl, tmp_path):
         f"megalm.data.preprocess: not found: input file {tmp_path}/none.jsonl does not exist"
 
 
+@pytest.mark.parametrize("inputs, extra, want", [
+    pytest.param({}, [], "not found: input file {dir}/a.jsonl does not exist", id="a missing input"),
+    pytest.param({"a.jsonl": '{"text": ""}\n'}, [],
+                 "data: sentencepiece has nothing to train on: the corpus has no non-blank lines", id="no text"),
+    pytest.param({"a.jsonl": '{"text": "some words"}\n'}, ["--type", "bytelevel-bpe", "--special-tokens", "[CLS]"],
+                 "invalid config: --special-tokens [CLS] is for --type sentencepiece only", id="special tokens"),
+])
+def test_train_tokenizer_user_errors_are_one_line_and_exit_1(tmp_path, inputs, extra, want):
+    src, out = tmp_path / "in", tmp_path / "tok"
+    src.mkdir()
+    for name, text in inputs.items():
+        (src / name).write_text(text)
+    r = subprocess.run([sys.executable, "-m", "megalm.data.train_tokenizer", "--input", str(src / "a.jsonl"),
+                        "--vocab-size", "300", "--output", str(out), *extra], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert error_line(r.stderr) == "megalm.data.train_tokenizer: " + want.format(dir=src)
+    assert not out.exists()
+
+
 EMPTY = '{"text": ""}\n\n{"text": ""}\n'  # two documents of nothing, and a blank line
 
 

@@ -25,8 +25,10 @@ from typing import Iterator, Optional, Sequence
 from megalm.data.preprocess import PreprocessError, TEXT_DOCUMENT_MODES, _texts_of, expand_inputs, read_chunks
 from megalm.data.tokenizer import (_MAX_SENTENCES, HuggingFaceTokenizer, SentencePieceTokenizer, Tokenizer,
                                    _import_tokenizers, train_sentencepiece, training_lines)
+from megalm.errors import ConfigError, DataError, cli_errors
 
 log = logging.getLogger("megalm.data.train_tokenizer")
+PROG = "megalm.data.train_tokenizer"
 
 
 def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",), input_format: str = "auto",
@@ -52,7 +54,7 @@ def train_bytelevel_bpe(texts: Iterator[str], vocab_size: int, max_sentences: in
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     lines = [line + "\n" for line in training_lines(texts, max_sentences)]
     if not lines:
-        raise ValueError("nothing to train on: the corpus has no non-blank lines")
+        raise DataError("nothing to train on: the corpus has no non-blank lines")
     tok.train_from_iterator(lines, trainer)
     return tok.to_str()
 
@@ -74,7 +76,7 @@ def train(inputs: Sequence[str], output: str, *, vocab_size: int, kind: str = "s
         tok.save_to(out)
     elif kind == "bytelevel-bpe":
         if special_tokens:
-            raise ValueError("--special-tokens is for --type sentencepiece")
+            raise ConfigError(f"--special-tokens {' '.join(special_tokens)} is for --type sentencepiece only")
         out.mkdir(parents=True, exist_ok=True)
         tmp = out / ".tokenizer.json.tmp"
         tmp.write_text(train_bytelevel_bpe(texts, vocab_size, max_sentences))
@@ -82,14 +84,14 @@ def train(inputs: Sequence[str], output: str, *, vocab_size: int, kind: str = "s
         tok.save_to(out)
         tmp.unlink()
     else:
-        raise ValueError(f"--type {kind!r} is not one of sentencepiece, bytelevel-bpe")
+        raise ConfigError(f"--type {kind!r} is not one of sentencepiece, bytelevel-bpe")
     log.info("train_tokenizer: %s, %d ids, eod %d, in %.1f s -> %s", tok.identity, tok.vocab_size, tok.eod,
              time.perf_counter() - start, out)
     return tok
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="train_tokenizer", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--input", nargs="+", required=True, help="input files or globs (JSON lines or text)")
     p.add_argument("--output", required=True, help="folder to write the tokenizer into")
     p.add_argument("--vocab-size", type=int, required=True)
@@ -104,13 +106,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="sentencepiece: reserve ids for these (for BERT: [CLS] [SEP] [MASK] [PAD])")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    try:
+    with cli_errors(PROG):  # a user mistake: `prog: kind: message` on stderr and exit code 1
         tok = train(args.input, args.output, vocab_size=args.vocab_size, kind=args.type, json_keys=args.json_keys,
                     input_format=args.input_format, text_document=args.text_document, model_type=args.model_type,
                     max_sentences=args.max_sentences, num_threads=args.threads, special_tokens=args.special_tokens)
-    except (ValueError, OSError, ImportError) as e:
-        print(f"train_tokenizer: error: {e}", file=sys.stderr)
-        return 2
     print(json.dumps({"output": str(Path(args.output)), "vocab_size": tok.vocab_size, "eod": tok.eod,
                       "identity": tok.identity}))
     return 0
