@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Extractive QA (SQuAD v2.0 layout) on made-up biographies: pretrain the embedded BERT on the
 # stdlib's docstrings, fine-tune a span head on 1500 questions (a fifth with no answer), then
-# score 300 held-out ones with the official exact match and F1. About 12 minutes on 2 cores.
+# score 300 held-out ones with the official exact match and F1. About 15 minutes on 2 cores.
 set -euo pipefail
 OUT=${OUT:-runs/question_answering}
 python examples/question_answering/make_squad.py "$OUT/data"
