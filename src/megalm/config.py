@@ -215,9 +215,11 @@ class TrainerConfig:
     transformer block on its own). Off by default: compiling costs time at the first step (docs/PERFORMANCE.md)."""
     compile_backend: str = "inductor"
     """torch.compile backend with trainer.compile on: inductor (generated kernels; on CPU it needs a C++ compiler,
-    else the run goes on eagerly with a warning) | aot_eager (graph capture without code generation: checks)."""
+    else the run goes on eagerly with a warning) | aot_eager (graph capture without code generation: checks) | eager
+    (dynamo's capture alone)."""
     profile_steps: List[int] = field(default_factory=list)
-    """Steps (1 = the first) to run under torch.profiler, each rank writing <run dir>/profiles/step_N_rankR.pt.trace.json."""
+    """Steps (1 = the first) to run under torch.profiler, each rank writing
+    <run dir>/profiles/step_NNNNNNNN_rankR.pt.trace.json (the step zero-padded to 8 digits)."""
 
 
 @dataclass
@@ -261,10 +263,12 @@ class DataConfig:
     valid_paths: List[str] = field(default_factory=list)
     """classification, qa: validation files (empty: data.split divides data.paths)."""
     task: str = "jsonl"
-    """classification: the files' layout: jsonl ({text, text_pair?, label}) | mnli | qqp | sst2 | cola | stsb (GLUE's
-    TSV); multiple choice (model.num_choices): choice ({context, choices, label}) | race (RACE's JSON .txt files)."""
+    """classification: the files' layout: jsonl ({text, text_pair?, label}) | fasttext (`__label__NAME text` lines) |
+    mnli | qqp | sst2 | cola | stsb (GLUE's TSV); multiple choice (model.num_choices): choice ({context, choices,
+    label}) | race (RACE's JSON .txt files)."""
     labels: List[str] = field(default_factory=list)
-    """classification, task=jsonl: the class names in label order (empty: integer labels, or a regression)."""
+    """classification, task=jsonl or fasttext: the class names in label order (jsonl: empty for integer labels, or a
+    regression; fasttext needs them)."""
     doc_stride: int = 128
     """qa: tokens between the starts of the windows a long context is read in (BERT's run_squad)."""
     max_query_length: int = 64

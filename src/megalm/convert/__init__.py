@@ -2,7 +2,8 @@
 
 export: a megalm checkpoint (run dir, checkpoint dir or step folder, written at any parallel
 layout) → a Hugging Face folder (config.json + model.safetensors) that transformers loads as
-GPT2LMHeadModel, LlamaForCausalLM or BertForPreTraining. import: such a folder → a megalm
+GPT2LMHeadModel, LlamaForCausalLM, MixtralForCausalLM, BertForPreTraining or
+T5ForConditionalGeneration. import: such a folder → a megalm
 checkpoint dir that training starts from with checkpoint.load=DIR. The weight mapping is the
 model family's (Family.hf); megalm.convert.hf applies it.
 """

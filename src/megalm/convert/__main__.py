@@ -19,8 +19,10 @@ EPILOG = """examples:
   python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true
 
 GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama
-style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM, post-LN BERT to
-BertForPreTraining; anything else is refused."""
+style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM, a Llama-style mixture of experts
+(softmax routing, no capacity limit) to MixtralForCausalLM, post-LN BERT to BertForPreTraining,
+T5 (relative buckets, rmsnorm, no biases, model.head_bias=false) to T5ForConditionalGeneration;
+anything else is refused, naming the field."""
 
 
 def build_parser() -> argparse.ArgumentParser:
