@@ -31,7 +31,7 @@ from bench import same_model_batches  # noqa: E402  (bench.py's batches and its 
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="moe_cpu", help="a mixture-of-experts preset (default moe_cpu)")
     ap.add_argument("--micro-batch", type=int, default=4, help="sequences a step (default 4)")
     ap.add_argument("--steps", type=int, default=3, help="steps a round (default 3)")

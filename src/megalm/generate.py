@@ -190,7 +190,7 @@ def check_options(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m megalm.generate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megalm.generate", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
     ap.add_argument("--prompt", default="def ", help="text to continue (default: 'def ')")
     ap.add_argument("--max-new-tokens", type=int, default=200,

@@ -81,7 +81,7 @@ def write_pairs(pairs: Sequence[Tuple[str, str]], language: str, output: Path, t
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     ap.add_argument("--language", required=True, help="the catalogues' language code (fr, de, es, ...)")
     ap.add_argument("--output", required=True, type=Path, help="folder for train.jsonl and test.jsonl")
     ap.add_argument("--package", default="django", help="the installed package whose catalogues to read")

@@ -49,7 +49,7 @@ def split(lines: List[str], dev: int, seed: int) -> Tuple[List[str], List[str]]:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     ap.add_argument("output", type=Path, help="folder for train.txt and dev.txt")
     ap.add_argument("--dev", type=int, default=40, help="held-out sentences, half of each label (default 40)")
     ap.add_argument("--seed", type=int, default=0, help="shuffle seed (default 0)")

@@ -174,7 +174,7 @@ def format_table(results: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m megalm.evaluate", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m megalm.evaluate", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
     ap.add_argument("task", choices=TASKS, help="what to score")
     ap.add_argument("--data", required=True,

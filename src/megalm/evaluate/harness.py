@@ -118,7 +118,7 @@ class MegalmLM(LM):
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
     ap.add_argument("--tasks", required=True, help="comma-separated harness task names")
     ap.add_argument("--include-path", default=None, help="a folder of task YAML files of your own")

@@ -452,7 +452,7 @@ def format_search(result: Dict[str, Any]) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     ap.add_argument("overrides", nargs="*", help="the overrides python -m megalm.train takes (model=..., parallel=...)")
     ap.add_argument("--gpus", type=int, default=None,
                     help="devices in all (default: what the layout names; parallel.dp fills the rest)")

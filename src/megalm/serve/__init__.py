@@ -102,7 +102,7 @@ def serve(run_dir: Path, host: str, port: int, **options) -> None:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog=f"python -m {PROG}", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run directory written by megalm.train")
     ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=5000, help="port (default 5000, as Megatron's server)")
