@@ -21,6 +21,7 @@ import logging
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List
@@ -148,7 +149,8 @@ def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, wo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="megalm.data.benchmark", description=__doc__.split("\n\n")[0])
     p.add_argument("what", nargs="?", default="all", choices=("index", "blend", "bert", "preprocess", "all"))
-    p.add_argument("--workdir", default="/tmp/megalm-data-bench")
+    p.add_argument("--workdir", default=str(Path(tempfile.gettempdir()) / "megalm-data-bench"),
+                   help="where preprocess writes its corpus and outputs (default: megalm-data-bench in the system's temporary folder)")
     p.add_argument("--mb", type=float, default=80.0, help="size of the synthetic JSONL for preprocess")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
