@@ -69,6 +69,12 @@ COMPOSE_MISTAKES = [
     # Each family's schema takes its own fields only.
     ("model.binary_head=false", ["unknown key model.binary_head", "GPTConfig has", "tie_embeddings"]),
     ("model=bert_tiny model.rope_theta=5e5", ["unknown key model.rope_theta", "BertConfig has", "norm_position"]),
+    # A comma makes Hydra read several values: how to write the one value each field takes.
+    ("data.split=98,2,0", ["data.split=98,2,0: Hydra reads a comma as several values",
+                           "data.split is a string: quote the commas, 'data.split=\"98,2,0\"'"]),
+    ("optimizer.betas=0.9,0.99", ["optimizer.betas is a list: write optimizer.betas=[0.9,0.99]"]),
+    ("trainer.max_steps=null", ["trainer.max_steps=null: trainer.max_steps needs a value (int)"]),
+    ("parallel=null", ["parallel=null: the parallel group needs a preset", "dp2, dp4"]),
 ]
 
 
@@ -122,6 +128,12 @@ def test_run_dir_that_is_a_file(tmp_path, monkeypatch, capsys):
     (tmp_path / "taken").write_text("not a directory")
     r = in_process(monkeypatch, capsys, *MOCK, f"hydra.run.dir={tmp_path / 'taken'}")
     assert_megalm_error(r, "invalid config", "is a file, not a directory")
+
+
+def test_run_dir_that_cannot_be_made(tmp_path, monkeypatch, capsys):
+    r = in_process(monkeypatch, capsys, *MOCK, "hydra.run.dir=/proc/megalm-test/run")  # /proc takes no folders
+    assert_megalm_error(r, "invalid config", "hydra.run.dir=/proc/megalm-test/run: cannot make the run directory "
+                        "there: /proc:")
 
 
 def test_vocabulary_too_small_fails_before_the_corpus_is_built(tmp_path):
