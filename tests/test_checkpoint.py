@@ -20,7 +20,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megalm.config import CheckpointConfig
 from megalm.train import run
-from megalm.training.checkpoint import Checkpointer, CorruptCheckpointError
+from megalm.errors import MissingFileError
+from megalm.training.checkpoint import Checkpointer, CorruptCheckpointError, resolve
 from megalm.training.manifest import MANIFEST, verify, write_manifest
 from test_train import TINY, load, records
 
@@ -107,6 +108,27 @@ def test_explicit_load_of_a_damaged_checkpoint_fails_naming_path_and_file(tmp_pa
     # Auto-resume has nothing older to fall back to: an error too, never a silent fresh start.
     with pytest.raises(CorruptCheckpointError, match=r"no checkpoint in .* verifies"):
         Checkpointer(CheckpointConfig(), tmp_path / "src").latest()
+
+
+def test_checkpoint_load_takes_a_run_directory_and_says_what_else_it_was_given(straight, tmp_path):
+    """checkpoint.load=RUN (as generate, serve and convert take it) loads the run's latest step; a Hugging
+    Face folder, or a run that saved nothing, is refused with what to do."""
+    assert resolve(straight) == straight / "checkpoints" / "step_00000006"
+    run(load(*COMMON, "trainer.max_steps=1", f"checkpoint.load={straight}", "checkpoint.finetune=true"),
+        tmp_path / "tuned")
+    assert stored(tmp_path / "tuned" / "checkpoints" / "step_00000001", tmp_path)["model"].keys() == \
+        stored(straight / "checkpoints" / "step_00000006", tmp_path)["model"].keys()
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    with pytest.raises(MissingFileError, match=rf"{hf} looks like a Hugging Face folder: `python -m megalm.convert "
+                                              rf"import {hf} OUT`"):
+        resolve(hf)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.yaml").write_text("checkpoint:\n  dir: saved\n")
+    with pytest.raises(MissingFileError, match=rf"{bare} is a run directory with no checkpoint in {bare / 'saved'}"):
+        resolve(bare)
 
 
 def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):

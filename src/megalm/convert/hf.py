@@ -142,18 +142,15 @@ def model_yaml(cfg: ModelConfig, header: str) -> str:
 
 def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, ModelConfig, Optional[Path]]:
     """(step folder, model config, directory holding config.yaml) for a run dir, checkpoint dir or step folder."""
-    from megalm.training.checkpoint import resolve
+    from megalm.training.checkpoint import resolve, run_checkpoints
     path = Path(path).expanduser()
     what = "a megalm run directory (config.yaml + checkpoints/), a checkpoint dir (with `latest`) or a step folder"
     if not path.exists():
         raise MissingFileError(f"{path} does not exist: expected {what}")
     is_ckpt = (path / ".metadata").exists() or (path / "latest").exists()
     if (path / "config.yaml").is_file() and not is_ckpt:  # a run directory
-        raw = OmegaConf.load(path / "config.yaml")
-        ckpt = Path(str(OmegaConf.select(raw, "checkpoint.dir", default="checkpoints"))).expanduser()
-        ckpt = ckpt if ckpt.is_absolute() else path / ckpt
         try:
-            step_dir = resolve(ckpt)
+            step_dir = resolve(run_checkpoints(path))
         except FileNotFoundError as e:
             raise MissingFileError(f"run directory {path} has no complete checkpoint: {e}") from None
         config_file: Optional[Path] = path / "config.yaml"

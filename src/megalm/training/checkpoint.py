@@ -75,8 +75,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def run_checkpoints(run_dir: Path) -> Path:
+    """The checkpoint dir of a run directory: its config.yaml's checkpoint.dir, relative to the run."""
+    from omegaconf import OmegaConf
+    ckpt = Path(str(OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir",
+                                     default="checkpoints"))).expanduser()
+    return ckpt if ckpt.is_absolute() else run_dir / ckpt
+
+
 def resolve(path: str | Path) -> Path:
-    """A step folder from either a step folder or a checkpoint dir (its `latest`)."""
+    """A step folder from a step folder, a checkpoint dir (its `latest`) or a run directory (its checkpoints)."""
     path = Path(path).expanduser()
     if (path / ".metadata").exists() or has_manifest(path):  # a damaged one too: load() names what is wrong
         return path
@@ -88,7 +96,16 @@ def resolve(path: str | Path) -> Path:
         raise MissingFileError(f"{marker} names {step_dir.name}, which holds no complete checkpoint")
     if not path.exists():
         raise MissingFileError(f"no checkpoint at {path}: the path does not exist")
-    raise MissingFileError(f"no checkpoint at {path}: neither a step folder (.metadata) nor a dir with `latest`")
+    if (path / "config.yaml").is_file() and (run_checkpoints(path) / "latest").exists():  # a run directory
+        return resolve(run_checkpoints(path))
+    hint = ""
+    if (path / "config.json").is_file():
+        hint = (f"; {path} looks like a Hugging Face folder: `python -m megalm.convert import {path} OUT` makes a "
+                "megalm checkpoint of it, then checkpoint.load=OUT")
+    elif (path / "config.yaml").is_file():
+        hint = f"; {path} is a run directory with no checkpoint in {run_checkpoints(path)}"
+    raise MissingFileError(f"no checkpoint at {path}: neither a step folder (.metadata), a dir with `latest` nor a "
+                           f"run directory with checkpoints{hint}")
 
 
 class CorruptCheckpointError(CheckpointError):
