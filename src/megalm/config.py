@@ -297,7 +297,8 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep this many most recent checkpoints (0 = keep all)."""
     load: Optional[str] = None
-    """Start from this checkpoint (a step folder or a checkpoint dir); None = auto-resume from the run directory."""
+    """Start from this checkpoint (a step folder, a checkpoint dir, or a run directory: its latest); None =
+    auto-resume from the run directory."""
     finetune: bool = False
     """With `load`: take the weights only (a fresh optimizer, step 0, data from the start), to fine-tune."""
     save: bool = True
