@@ -188,6 +188,21 @@ def test_save_and_load_tokenizers(sp_tok, tmp_path):
         load_tokenizer(tmp_path / "nothing")
 
 
+def test_a_sentencepiece_model_given_as_its_folder_or_as_the_wrong_file(sp_tok, tmp_path):
+    """tokenizer.model may name the folder train_tokenizer (or a run) wrote; a folder without a model, or a JSON
+    file, is refused saying what was given and what to give."""
+    folder = sp_tok.save_to(tmp_path / "sp")
+    assert SentencePieceTokenizer(folder).identity == sp_tok.identity
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match=f"sentencepiece model {tmp_path / 'empty'} is a folder without a "
+                                                 "tokenizer.model"):
+        SentencePieceTokenizer(tmp_path / "empty")
+    with pytest.raises(ValueError, match=rf"{folder / 'tokenizer.json'} is not a sentencepiece model \(\d+ bytes do "
+                                         r"not parse as one\); it is JSON: a Hugging Face tokenizer.json takes "
+                                         r"data.tokenizer.type=huggingface"):
+        SentencePieceTokenizer(folder / "tokenizer.json")
+
+
 def test_corpus_order_and_limit(corpus):
     rels = [rel for rel, _ in corpus.files]
     assert rels != sorted(rels)

@@ -262,6 +262,12 @@ def test_cli_entry_points_agree(jsonl, tmp_path):
                  "data: sentencepiece has nothing to train on: the corpus has no non-blank lines", id="no text"),
     pytest.param({"a.jsonl": '{"text": "some words"}\n'}, ["--type", "bytelevel-bpe", "--special-tokens", "[CLS]"],
                  "invalid config: --special-tokens [CLS] is for --type sentencepiece only", id="special tokens"),
+    pytest.param({"a.jsonl": '{"text": "some words"}\n'}, ["--vocab-size", "0"],
+                 "invalid config: --vocab-size 0 must be at least 1", id="no vocabulary"),
+    pytest.param({"a.jsonl": '{"text": "' + "".join(map(chr, range(0x3b1, 0x3c9))) + ' abcdefghijklmnopqrstuvwxyz"}\n'},
+                 ["--vocab-size", "20"], "invalid config: a 20-piece vocabulary is too small for this corpus: its "
+                 "characters and special pieces alone need {need}; set the vocabulary size (data.tokenizer.vocab_size, "
+                 "or train_tokenizer's --vocab-size) to at least {need}", id="too small a vocabulary"),
 ])
 def test_train_tokenizer_user_errors_are_one_line_and_exit_1(tmp_path, inputs, extra, want):
     src, out = tmp_path / "in", tmp_path / "tok"
@@ -272,8 +278,20 @@ def test_train_tokenizer_user_errors_are_one_line_and_exit_1(tmp_path, inputs, e
                         "--vocab-size", "300", "--output", str(out), *extra], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1, r.stderr[-3000:]
-    assert error_line(r.stderr) == "megalm.data.train_tokenizer: " + want.format(dir=src)
+    line = error_line(r.stderr)
+    need = re.search(r"alone need (\d+);", line)  # sentencepiece's count of the pieces the corpus needs
+    assert line == "megalm.data.train_tokenizer: " + want.format(dir=src, need=need and need.group(1))
     assert not out.exists()
+
+
+def test_train_tokenizer_refuses_an_output_that_is_a_file_before_training(jsonl, tmp_path):
+    (tmp_path / "taken").write_text("a file")
+    r = subprocess.run([sys.executable, "-m", "megalm.data.train_tokenizer", "--input", str(jsonl), "--vocab-size",
+                        "300", "--output", str(tmp_path / "taken")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert error_line(r.stderr) == (f"megalm.data.train_tokenizer: invalid config: --output {tmp_path / 'taken'} is "
+                                    "a file; name a folder to write the tokenizer into")
+    assert "training" not in r.stderr  # refused before any training
 
 
 EMPTY = '{"text": ""}\n\n{"text": ""}\n'  # two documents of nothing, and a blank line

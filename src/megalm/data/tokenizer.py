@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -113,16 +114,29 @@ class Tokenizer(ABC):
 
 class SentencePieceTokenizer(Tokenizer):
     def __init__(self, model: Union[str, os.PathLike, bytes]):
+        where = "the model bytes given"
         if not isinstance(model, bytes):
             path = Path(model).expanduser()
+            if path.is_dir():  # the folder train_tokenizer (or a run) wrote: its tokenizer.model
+                if not (path / "tokenizer.model").is_file():
+                    raise MissingFileError(f"sentencepiece model {path} is a folder without a tokenizer.model in it; "
+                                           "give the .model file")
+                path = path / "tokenizer.model"
             if not path.is_file():
                 raise MissingFileError(f"sentencepiece model {path} does not exist")
             model, self.origin = path.read_bytes(), str(path)
+            where = str(path)
         self._proto = model
         try:
             self._sp = spm.SentencePieceProcessor(model_proto=model)
-        except RuntimeError as e:
-            raise DataError(f"not a sentencepiece model ({len(model)} bytes): {e}") from None
+        except RuntimeError:
+            hint = ""
+            if model.lstrip()[:1] in (b"{", b"["):
+                hint = ("; it is JSON: a Hugging Face tokenizer.json takes data.tokenizer.type=huggingface, and a "
+                        "megalm run directory's tokenizer.json only records its tokenizer (its model is "
+                        "RUN/tokenizer.model)")
+            raise DataError(f"{where} is not a sentencepiece model ({len(model)} bytes do not parse as one){hint}") \
+                from None
         self.vocab_size = self._sp.vocab_size()
         self.eod = self._sp.eos_id()
         if self.eod < 0:
@@ -230,6 +244,8 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
 
     `special_tokens` become control symbols: ids right after <unk>, <s>, </s>, which encode() never
     produces from text (so a literal "[MASK]" in a document stays text)."""
+    if vocab_size < 1:
+        raise ConfigError(f"a sentencepiece vocabulary of {vocab_size} pieces: the size must be at least 1")
     start = time.perf_counter()
     lines = training_lines(texts, max_sentences)
     log.info("tokenizer: training a %d-piece sentencepiece %s on %d lines", vocab_size, model_type, len(lines))
@@ -248,6 +264,12 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, *, num_threads: O
                                        num_threads=_threads(num_threads), input_sentence_size=0, minloglevel=2,
                                        **options)
     except RuntimeError as e:
+        small = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", str(e))
+        if small:  # sentencepiece's advice names its own option, which megalm does not expose
+            raise ConfigError(f"a {vocab_size}-piece vocabulary is too small for this corpus: its characters and "
+                              f"special pieces alone need {small.group(2)}; set the vocabulary size "
+                              f"(data.tokenizer.vocab_size, or train_tokenizer's --vocab-size) to at least "
+                              f"{small.group(2)}") from None
         raise DataError(f"sentencepiece could not train a {vocab_size}-piece vocabulary on "
                         f"{len(lines)} lines: {e}") from None
     proto = buf.getvalue()

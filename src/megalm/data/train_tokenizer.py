@@ -67,8 +67,12 @@ def train(inputs: Sequence[str], output: str, *, vocab_size: int, kind: str = "s
 
     special_tokens (sentencepiece): ids reserved for tokens text never maps to (BERT's [CLS] [SEP] [MASK] [PAD])."""
     start = time.perf_counter()
-    texts = iter_texts(inputs, json_keys, input_format, text_document)
     out = Path(output).expanduser()
+    if vocab_size < 1:
+        raise ConfigError(f"--vocab-size {vocab_size} must be at least 1")
+    if out.exists() and not out.is_dir():  # said before training, not after
+        raise ConfigError(f"--output {out} is a file; name a folder to write the tokenizer into")
+    texts = iter_texts(inputs, json_keys, input_format, text_document)
     if kind == "sentencepiece":
         tok: Tokenizer = SentencePieceTokenizer(train_sentencepiece(
             texts, vocab_size, num_threads=num_threads, max_sentences=max_sentences, model_type=model_type,
