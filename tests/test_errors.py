@@ -284,6 +284,14 @@ def test_cuda_without_a_gpu(monkeypatch, capsys, tmp_path):
     assert_megalm_error(r, "device", "trainer.device=cuda", "no CUDA device")
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_said_before_training(monkeypatch, capsys, tmp_path):
+    r = in_process(monkeypatch, capsys, *MOCK, "trainer.max_steps=2", "checkpoint.dir=/proc/megalm-test/ckpt",
+                   f"hydra.run.dir={tmp_path / 'run'}")  # /proc takes no folders
+    assert_megalm_error(r, "checkpoint", "checkpoint.dir=/proc/megalm-test/ckpt: cannot write checkpoints into "
+                        "/proc/megalm-test/ckpt:", "point checkpoint.dir at a folder you can write to")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() or steps_of(tmp_path / "run") == []  # nothing trained
+
+
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
                    f"hydra.run.dir={tmp_path / 'a'}")
