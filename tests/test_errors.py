@@ -331,6 +331,15 @@ def test_diverged_training_stops_and_keeps_the_last_good_checkpoint(monkeypatch,
     assert max(steps_of(run_dir)) < bad_step
 
 
+def test_a_loss_already_non_finite_before_any_update_does_not_blame_the_learning_rate(monkeypatch, capsys, tmp_path):
+    # Weights drawn with std 1e30 overflow fp32 in the first forward: no learning rate is at fault.
+    r = in_process(monkeypatch, capsys, *MOCK, "model.init_std=1e30", "trainer.max_steps=4",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert_megalm_error(r, "training stopped", "step 1: the loss is nan at this run's first step, before any update",
+                        "which no learning rate changes", "no checkpoint was written")
+    assert "Lower optimizer.lr" not in r.stderr
+
+
 def test_fp16_that_keeps_overflowing_stops(monkeypatch, capsys, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, "optimizer.lr=1e3", "trainer.max_steps=200", "trainer.precision=fp16",
                    "trainer.max_consecutive_skips=8", f"hydra.run.dir={tmp_path / 'run'}")

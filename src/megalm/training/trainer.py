@@ -245,6 +245,13 @@ class Trainer:
                 f"or use trainer.precision=bf16; {self._kept()}")
 
     def _diverged(self, norm: float, loss: float) -> None:
+        if not math.isfinite(loss) and self.step == getattr(self, "_first_step", None):
+            # Not a divergence: the model's first forward, before any update here, is already non-finite.
+            raise TrainingError(
+                f"step {self.step + 1}: the loss is {loss} at this run's first step, before any update, in "
+                f"{self.cfg.precision} training: the model's starting weights or its config (model.init_std, "
+                f"model.norm_eps, the precision) or the data give non-finite values, which no learning rate "
+                f"changes; {self._kept()}")
         raise TrainingError(
             f"step {self.step + 1}: the gradient norm is {norm} (loss {loss:.4g}) in {self.cfg.precision} training: "
             f"it diverged. Lower optimizer.lr (now {self.optimizer.param_groups[0]['lr']:.3g}) or lengthen "
@@ -335,6 +342,7 @@ class Trainer:
 
     def _fit(self) -> Optional[float]:
         c = self.cfg
+        self._first_step = self.step  # the step this process starts from: no update of its own before it
         if self.metrics is None:
             self.metrics = MetricLogger(None, None, {})
         bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
