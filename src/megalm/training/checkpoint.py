@@ -30,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -149,6 +150,18 @@ class Checkpointer:
             # own keeps them from interleaving with training's. Gloo, as DCP stages to CPU.
             self._async_group = dist.new_group(backend="gloo")
 
+    def check_writable(self) -> None:
+        """Make the checkpoint folder and write into it now, on every rank (each writes its own files): a
+        folder no checkpoint could be written into is said before training, not at the first save."""
+        if not self.cfg.save:
+            return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix=".megalm-probe-", dir=self.dir))
+        except OSError as e:
+            raise CheckpointError(f"checkpoint.dir={self.cfg.dir}: cannot write checkpoints into {self.dir}: "
+                                  f"{e.strerror or e}; point checkpoint.dir at a folder you can write to") from None
+
     # -- which checkpoint ------------------------------------------------------------------------
     def latest(self) -> Optional[Path]:
         """The newest step folder that verifies; a damaged one is reported and the one before
@@ -174,7 +187,8 @@ class Checkpointer:
             rejected.append(f"{folder}: {'; '.join(problems)}")
         if rejected:
             return "error", (f"no checkpoint in {self.dir} verifies:\n  " + "\n  ".join(rejected)
-                             + f"\nmove the damaged folders out of {self.dir} to start from scratch")
+                             + f"\nno whole checkpoint is left in {self.dir}: a training run starts from scratch once "
+                               "the damaged folders are moved out of it")
         return "none", None
 
     @staticmethod
@@ -191,7 +205,7 @@ class Checkpointer:
         if problems:
             raise CorruptCheckpointError(
                 f"checkpoint {path} failed verification: {'; '.join(problems)}. An older step folder next to "
-                f"it may be whole; pass it as checkpoint.load")
+                f"it may be whole: name that one instead (to train: checkpoint.load)")
         if _is_rank0():
             self._warn_unverified(path)
         self._verified.add(str(path))
@@ -211,7 +225,10 @@ class Checkpointer:
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
         if _is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            try:
+                tmp.mkdir(parents=True)
+            except OSError as e:  # the folder went away or became read-only since the start
+                self._write_failed(e, tmp)
         _barrier()
         state = {"model": model_entries(model, data_parallel), "optim": optim_entries(model, optimizer, data_parallel),
                  "rng": rng_state(), **_rank_streams(layout, self.tp_group)}
