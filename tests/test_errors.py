@@ -292,6 +292,14 @@ def test_a_checkpoint_folder_that_cannot_be_written_is_said_before_training(monk
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or steps_of(tmp_path / "run") == []  # nothing trained
 
 
+def test_a_checkpoint_of_another_model_family_names_both(monkeypatch, capsys, mock_run, tmp_path):
+    bert = [a for a in MOCK if not a.startswith("model=")] + ["model=bert_tiny"]
+    r = in_process(monkeypatch, capsys, *bert, f"checkpoint.load={mock_run}", "checkpoint.finetune=true",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert_megalm_error(r, "checkpoint", f"checkpoint {mock_run / 'checkpoints' / 'step_00000002'} holds a gpt model "
+                        "(its config.yaml), and this run's model is bert (model=bert_tiny)")
+
+
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
                    f"hydra.run.dir={tmp_path / 'a'}")

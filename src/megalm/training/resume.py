@@ -80,11 +80,27 @@ def _check_model(path: Path, cfg: Config, weights_only: bool = False):
     from megalm.training.checkpoint_shapes import check_shapes
     from megalm.training.safe_load import read_metadata
     from megalm.training.sharded_state import model_entries
+    stored_arch = _stored_arch(path)
+    if stored_arch is not None and stored_arch != cfg.model.arch:
+        raise CheckpointError(f"checkpoint {path} holds a {stored_arch} model (its config.yaml), and this run's model "
+                              f"is {cfg.model.arch} (model={cfg.model.name}): choose a {stored_arch} model preset, or "
+                              "another checkpoint")
     model = build_model(cfg.model, device="meta")
     metadata = read_metadata(path).state_dict_metadata
     heads = getattr(model, "new_heads", ()) if weights_only else ()
     check_shapes(path, metadata, model_entries(model), gather=False, fresh=heads, ignore_unexpected=bool(heads))
     return metadata
+
+
+def _stored_arch(path: Path) -> Optional[str]:
+    """The model family a step folder's config.yaml names; None if it has none (older or imported checkpoints)."""
+    from omegaconf import OmegaConf
+    from megalm.training.checkpoint import CONFIG_FILE
+    try:
+        arch = OmegaConf.select(OmegaConf.load(path / CONFIG_FILE), "model.arch")
+    except Exception:  # no file, or not YAML: the shape check below says what differs
+        return None
+    return str(arch) if arch is not None else None
 
 
 def nothing_left(start: Start, max_steps: int) -> Optional[str]:
