@@ -300,6 +300,19 @@ def test_a_checkpoint_of_another_model_family_names_both(monkeypatch, capsys, mo
                         "(its config.yaml), and this run's model is bert (model=bert_tiny)")
 
 
+def test_a_model_whose_state_outgrows_the_machine_is_refused_before_allocating(monkeypatch, capsys, tmp_path):
+    from megalm.training import memory
+    assert memory.free_host_memory() > 0  # this machine's /proc/meminfo is read
+    # gpt_tiny's ~25k parameters x 16 bytes (fp32 weights, gradients, Adam's two moments) against 100 kB free.
+    monkeypatch.setattr(memory, "free_host_memory", lambda: 100_000)
+    allocated = []
+    monkeypatch.setattr("megalm.parallel.materialize", lambda *a, **k: allocated.append(a))
+    r = in_process(monkeypatch, capsys, *MOCK, f"hydra.run.dir={tmp_path / 'run'}")
+    assert_megalm_error(r, "invalid config", "model=gpt_tiny: its weights, gradients and optimizer state alone take",
+                        "x 16 bytes x 1 rank(s) on this machine), more than the 0.0 GB it has free")
+    assert allocated == []
+
+
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
                    f"hydra.run.dir={tmp_path / 'a'}")

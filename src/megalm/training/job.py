@@ -35,6 +35,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.cpu_memory import apply_cpu_allocator
+    from megalm.training.memory import check_host_memory
     from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
     from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.resume import nothing_left, plan_start
@@ -73,12 +74,14 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         if rank == 0:
             log.warning("%s", why)
         return start.state.get("val_loss")
+    checkpointer.check_writable()  # before any training a failed save would lose
 
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps),
                       samples=samples)
     model = build_model(cfg.model, device="meta")
     layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    check_host_memory(cfg, sum(p.numel() for p in model.parameters()), dims.dp, device)  # still on meta: free
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)
     n_params = sum(p.numel() for p in model.parameters())

@@ -11,9 +11,12 @@ Activations are not model state and are not counted here.
 
 from __future__ import annotations
 
-from typing import Dict
+import os
+from typing import Dict, Optional
 
 import torch
+
+from megalm.errors import ConfigError
 
 
 def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, master_weights: bool = False,
@@ -43,3 +46,33 @@ def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)  # Adam's scalar `step` is not model state
     return {"params": sum(p.numel() for p in params), "weights": weights, "grads": grads, "optimizer": state}
+
+
+def free_host_memory() -> Optional[int]:
+    """Bytes this machine can still give (MemAvailable + SwapFree of /proc/meminfo); None where unknown."""
+    try:
+        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_memory(cfg, params_on_rank: int, dp: int, device: torch.device) -> None:
+    """Refuse, before any allocation, a CPU run whose model state alone (weights, gradients, optimizer state:
+    `expected_bytes_per_param`) on this machine's ranks is more than the machine has free; activations come on
+    top, so passing says nothing about fitting. (GPU memory is the device's to refuse.)"""
+    free = free_host_memory()
+    if device.type != "cpu" or free is None:
+        return
+    o = cfg.optimizer
+    moments = 2 if o.name == "adamw" else (1 if o.momentum else 0)
+    per_param = expected_bytes_per_param(optimizer_moments=moments, zero_stage=cfg.parallel.zero_stage, dp=dp)
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # torch elastic and torchrun say how many share it
+    need = params_on_rank * per_param * ranks
+    if need > free:
+        raise ConfigError(
+            f"model={cfg.model.name}: its weights, gradients and optimizer state alone take {need / 1e9:.1f} GB here "
+            f"({params_on_rank:,} parameters on a rank x {per_param:g} bytes x {ranks} rank(s) on this "
+            f"machine), more than the {free / 1e9:.1f} GB it has free; choose a smaller model, or shard it "
+            f"(parallel.zero_stage, tp, pp) over more machines: `python -m megalm.plan` with the same overrides "
+            f"shows what each rank would hold")
