@@ -158,6 +158,43 @@ BAD = [
      "model.fused_loss_backward='in_backward' is not one of in_forward, recompute"),
     (["model.fused_loss=true", "model.num_labels=2"], 1,
      "model.fused_loss=true fuses the language-model head with its cross-entropy, but model.num_labels=2"),
+    # Numbers torch or numpy would refuse (or turn into NaN) deep inside the run.
+    (["optimizer.eps=-1"], 1, "optimizer.eps=-1.0 must be positive"),
+    (["optimizer=sgd", "optimizer.momentum=-1"], 1, "optimizer.momentum=-1.0 must not be negative"),
+    (["model.init_std=-1"], 1, "model.init_std=-1.0 must be positive"),
+    (["model.init_std=0"], 1, "model.init_std=0.0 must be positive"),
+    (["trainer.seed=-1"], 1, "trainer.seed=-1 must be in [0, 2**32)"),
+    (["trainer.seed=4294967296"], 1, "trainer.seed=4294967296 must be in [0, 2**32)"),
+    (["model.ffn_hidden_size=-1"], 1, "model.ffn_hidden_size=-1 must be at least 1 (or null: derived from hidden"),
+    (["model.ffn_hidden_size=0"], 1, "model.ffn_hidden_size=0 must be at least 1 (or null: derived from hidden"),
+    (["model.num_query_groups=-1"], 1, "model.num_query_groups=-1 must be at least 1 (or null: num_attention_heads"),
+    (["model.num_query_groups=0"], 1, "model.num_query_groups=0 must be at least 1 (or null: num_attention_heads"),
+    (["model.norm_eps=-1"], 1, "model.norm_eps=-1.0 must be positive"),
+    (["model.norm_eps=0"], 1, "model.norm_eps=0.0 must be positive"),
+    # Values a run would take and then train badly.
+    (["optimizer.decay_steps=-5"], 1,
+     "optimizer.decay_steps=-5 is the step the decay reaches min_lr at: it must be at least 1 and at least "
+     "optimizer.warmup_steps=50"),
+    (["optimizer.decay_steps=0", "optimizer.warmup_steps=0"], 1, "optimizer.decay_steps=0 is the step"),
+    (["optimizer.decay_steps=10"], 1, "optimizer.decay_steps=10 is the step the decay reaches min_lr at: it must be "
+                                      "at least 1 and at least optimizer.warmup_steps=50"),
+    (["trainer.loss_scale=128"], 1, "trainer.loss_scale=128.0 applies to fp16 only (trainer.precision=fp32)"),
+    (["trainer.precision=bf16", "trainer.loss_scale=64"], 1,
+     "trainer.loss_scale=64.0 applies to fp16 only (trainer.precision=bf16)"),
+    (["parallel.recompute=full", "parallel.recompute_num_layers=5"], 1, "parallel.recompute_num_layers=5 recomputes "
+     "the first N blocks of each pipeline stage, but a stage holds at most 4"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "trainer.micro_batch_size=4",
+      "parallel.recompute=full", "parallel.recompute_num_layers=3"], 2,
+     "parallel.recompute_num_layers=3 recomputes the first N blocks of each pipeline stage, but a stage "
+     "holds at most 2"),
+    (["parallel=pp2", "model=gpt_tiny", "model.num_layers=4", "trainer.micro_batch_size=4",
+      "parallel.layers_per_stage=[1,3]", "parallel.recompute=full", "parallel.recompute_num_layers=4"], 2,
+     "parallel.recompute_num_layers=4 recomputes the first N blocks of each pipeline stage, but a stage "
+     "holds at most 3"),
+    # A process group over nccl on CPU ranks: what auto would never pick.
+    (["cluster=slurm_h100", "parallel=dp2", "trainer.micro_batch_size=4", "trainer.device=cpu"], 2,
+     "cluster.backend=nccl (cluster=slurm_h100) runs on CUDA devices, but trainer.device=cpu puts this run's 2 "
+     "rank(s) on the CPU: use cluster.backend=auto or gloo on CPU"),
 ]
 
 
@@ -167,6 +204,58 @@ def test_bad_values_have_clear_errors(overrides, world, message):
     with pytest.raises(ValueError) as e:
         validate(cfg, world)
     assert message in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,world", [
+    (["model.num_query_groups=null", "model.ffn_hidden_size=null", "optimizer.decay_steps=null"], 1),
+    (["optimizer.decay_steps=50"], 1),  # decay_steps = warmup_steps: straight from lr to min_lr
+    (["optimizer=sgd", "optimizer.momentum=0", "optimizer.decay_steps=1"], 1),
+    (["trainer.seed=0"], 1), (["trainer.seed=4294967295"], 1),
+    (["trainer.precision=fp16", "trainer.loss_scale=128"], 1),
+    (["parallel.recompute=full", "parallel.recompute_num_layers=4"], 1),
+    (["parallel=pp2", "model=gpt_tiny", "data=mock", "model.num_layers=4", "trainer.micro_batch_size=4",
+      "parallel.layers_per_stage=[1,3]", "parallel.recompute=full", "parallel.recompute_num_layers=3"], 2),
+    (["cluster=slurm_h100", "trainer.device=cpu"], 1),  # one process: no process group, no backend
+    (["cluster=slurm_h100", "parallel=dp2", "trainer.micro_batch_size=4"], 2),  # auto: the cluster's GPUs
+], ids=str)
+def test_documented_sentinels_and_bounds_validate(overrides, world):
+    validate(load(*overrides), world)
+
+
+NCCL_DP2 = ["cluster=slurm_h100", "parallel=dp2", "trainer.micro_batch_size=4"]
+
+
+def test_nccl_is_refused_when_the_run_starts_on_cpu(monkeypatch):
+    """Launching (megalm.train), trainer.device=auto resolves here: no GPU, so CPU ranks, which nccl cannot join;
+    megalm.plan, which models the cluster's GPUs, validates the same config."""
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load(*NCCL_DP2)
+    validate(cfg, 2)  # megalm.plan
+    with pytest.raises(ValueError) as e:
+        validate(cfg, 2, launching=True)
+    assert ("cluster.backend=nccl (cluster=slurm_h100) runs on CUDA devices, but trainer.device=auto puts this "
+            "run's 2 rank(s) on the CPU (no CUDA device is visible): use cluster.backend=auto or gloo on CPU"
+            ) in str(e.value)
+    for var in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(var, raising=False)
+    validate(load("cluster=slurm_h100"), 1, launching=True)  # one process: no process group
+    validate(load(*NCCL_DP2, "cluster.backend=auto"), 2, launching=True)
+    validate(load(*NCCL_DP2, "cluster.backend=gloo"), 2, launching=True)
+
+
+def test_nccl_is_refused_when_torch_has_none(monkeypatch):
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: True)
+    cfg = load(*NCCL_DP2)
+    validate(cfg, 2, launching=True)  # GPUs and NCCL: it runs
+    monkeypatch.setattr(torch.distributed, "is_nccl_available", lambda: False)
+    validate(cfg, 2)  # megalm.plan
+    with pytest.raises(ValueError) as e:
+        validate(cfg, 2, launching=True)
+    assert ("cluster.backend=nccl (cluster=slurm_h100) but this torch has no NCCL "
+            "(torch.distributed.is_nccl_available() is false): use cluster.backend=auto or gloo") in str(e.value)
 
 
 def test_unknown_key_is_an_error():

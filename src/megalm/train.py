@@ -130,7 +130,7 @@ def _run(dcfg: DictConfig) -> Optional[float]:
         reject_unknown_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)
         world = plan_world(cfg)
-        validate(cfg, world)
+        validate(cfg, world, launching=True)
     except MissingMandatoryValue as e:
         raise ConfigError(f"{e.full_key} has no value (??? in the config); set it, e.g. {e.full_key}=...") from None
     except ValueError as e:  # validation is pure arithmetic: any ValueError there is about the config

@@ -47,8 +47,11 @@ def _get(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
-def validate(cfg: Config, world_size: int) -> None:
-    """Check cross-field rules; raise ConfigError naming the values and what is allowed."""
+def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
+    """Check cross-field rules; raise ConfigError naming the values and what is allowed.
+
+    `launching`: the run starts here (megalm.train), so what this machine cannot run is refused too (the
+    process group's backend); megalm.plan, which only models a cluster, leaves it off."""
     for key, allowed in {"model.arch": family_names(), **CHOICES}.items():  # families as registered now
         if key.startswith("model.") and not hasattr(cfg.model, key[6:]):
             continue  # a field of another family's schema
@@ -74,6 +77,16 @@ def validate(cfg: Config, world_size: int) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}={value} must be at least 1")
+    optional_positive = {  # null: derived
+        "model.num_query_groups": (m.num_query_groups, "num_attention_heads, plain multi-head attention"),
+        "model.ffn_hidden_size": (m.ffn_hidden_size, "derived from hidden_size and the activation"),
+    }
+    for key, (value, null) in optional_positive.items():
+        if value is not None and value < 1:
+            raise ConfigError(f"{key}={value} must be at least 1 (or null: {null})")
+    for key, value in (("optimizer.eps", o.eps), ("model.init_std", m.init_std), ("model.norm_eps", m.norm_eps)):
+        if not value > 0:
+            raise ConfigError(f"{key}={value} must be positive")
     non_negative = {
         "optimizer.lr": o.lr, "optimizer.min_lr": o.min_lr, "optimizer.weight_decay": o.weight_decay,
         "optimizer.warmup_steps": o.warmup_steps, "trainer.eval_interval": t.eval_interval,
@@ -81,7 +94,7 @@ def validate(cfg: Config, world_size: int) -> None:
         "trainer.num_threads": t.num_threads, "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "cluster.max_restarts": cfg.cluster.max_restarts,
         "data.max_corpus_mb": cfg.data.max_corpus_mb, "trainer.max_consecutive_skips": t.max_consecutive_skips,
-        "data.prefetch": cfg.data.prefetch,
+        "data.prefetch": cfg.data.prefetch, "optimizer.momentum": o.momentum,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -90,6 +103,12 @@ def validate(cfg: Config, world_size: int) -> None:
         raise ConfigError("optimizer.lr=0 would never change the weights; use a positive learning rate")
     if o.min_lr > o.lr:
         raise ConfigError(f"optimizer.min_lr={o.min_lr} is above optimizer.lr={o.lr}")
+    if o.decay_steps is not None and o.decay_steps < max(1, o.warmup_steps):
+        raise ConfigError(f"optimizer.decay_steps={o.decay_steps} is the step the decay reaches min_lr at: it must be "
+                          f"at least 1 and at least optimizer.warmup_steps={o.warmup_steps} (or null: trainer.max_steps)")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"trainer.seed={t.seed} must be in [0, 2**32) (numpy RandomState draws the data order "
+                          "from it)")
     if len(o.betas) != 2 or not all(0.0 <= b < 1.0 for b in o.betas):
         raise ConfigError(f"optimizer.betas={list(o.betas)} must be two numbers in [0, 1)")
     if t.log_interval < 1:
@@ -146,6 +165,9 @@ def validate(cfg: Config, world_size: int) -> None:
                        ("trainer.loss_scale", t.loss_scale if t.loss_scale is not None else 1.0)):
         if value <= 0:
             raise ConfigError(f"{key}={value} must be positive")
+    if t.loss_scale is not None and t.precision != "fp16":
+        raise ConfigError(f"trainer.loss_scale={t.loss_scale} applies to fp16 only (trainer.precision={t.precision}): "
+                          "set trainer.precision=fp16 or trainer.loss_scale=null")
     if cfg.checkpoint.finetune and not cfg.checkpoint.load:
         raise ConfigError("checkpoint.finetune=true takes the weights of checkpoint.load, which is not set")
     if cfg.checkpoint.async_save and not cfg.checkpoint.save:
@@ -168,6 +190,13 @@ def validate(cfg: Config, world_size: int) -> None:
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
                           f"(got {p.recompute}) and a value of at least 1")
+    if p.recompute_num_layers is not None:
+        stages = p.pp * p.virtual_pipeline_size
+        most = max(len(r) for r in stage_layer_ranges(m.num_layers, stages, p.layers_per_stage))
+        if p.recompute_num_layers > most:
+            raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} recomputes the first N blocks "
+                              f"of each pipeline stage, but a stage holds at most {most} (model.num_layers="
+                              f"{m.num_layers} over {stages} stage(s)): use at most {most}, or null for every block")
     if cfg.data.source == "indexed":
         if not cfg.data.paths and not cfg.data.blend:
             raise ConfigError("data.source=indexed needs data.paths (a .bin/.idx prefix) or data.blend "
@@ -204,10 +233,36 @@ def validate(cfg: Config, world_size: int) -> None:
     for key in ("matmul_efficiency", "comm_efficiency"):
         if not 0 < getattr(c, key) <= 1:
             raise ConfigError(f"cluster.{key}={getattr(c, key)} must be in (0, 1]: a share of the peak")
+    _validate_backend(cfg, world_size, launching)
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     _validate_profile_steps(t)
     split_weights(cfg.data.split)
+
+
+def _validate_backend(cfg: Config, world_size: int, launching: bool) -> None:
+    """cluster.backend=nccl joins the ranks' process group (more than one rank, or any a launcher started) over
+    CUDA devices only; auto picks gloo on CPU. Launching, trainer.device=auto is what it resolves to here."""
+    c, device = cfg.cluster, cfg.trainer.device
+    if c.backend != "nccl":
+        return
+    on_cpu = device == "cpu"
+    if launching:
+        import torch.distributed
+        from megalm.launch import detect_rank_env
+        if world_size == 1 and detect_rank_env() is None:
+            return  # one process: no process group
+        on_cpu = on_cpu or (device == "auto" and not torch.cuda.is_available())
+    elif world_size == 1:
+        return
+    if on_cpu:
+        why = " (no CUDA device is visible)" if device == "auto" else ""
+        raise ConfigError(f"cluster.backend=nccl (cluster={c.name}) runs on CUDA devices, but trainer.device="
+                          f"{device} puts this run's {world_size} rank(s) on the CPU{why}: use cluster.backend=auto "
+                          "or gloo on CPU")
+    if launching and not torch.distributed.is_nccl_available():
+        raise ConfigError(f"cluster.backend=nccl (cluster={c.name}) but this torch has no NCCL "
+                          "(torch.distributed.is_nccl_available() is false): use cluster.backend=auto or gloo")
 
 
 def _validate_profile_steps(t) -> None:
