@@ -382,6 +382,17 @@ def test_gpus_fill_data_parallel_and_the_table_names_the_estimate():
     assert bad.returncode != 0 and "--gpus=0" in bad.stderr
 
 
+def test_overrides_may_come_before_between_or_after_the_flags(capsys):
+    """`model=... --gpus 2 cluster=...` plans as with every override first: not argparse's "unrecognized arguments"."""
+    from megalm.plan import main
+    main([*TINY, "trainer.global_batch_size=4", "cluster=slurm_h100", "--gpus", "2", "--json"])
+    first = json.loads(capsys.readouterr().out)
+    main(["model=gpt_tiny", "--gpus", "2", "data=mock", "trainer.micro_batch_size=2", "--json",
+          "trainer.global_batch_size=4", "cluster=slurm_h100"])
+    mixed = json.loads(capsys.readouterr().out)
+    assert mixed == first and first["cluster"] == "slurm_h100" and first["layout"]["dp"] == 2
+
+
 def test_search_ranks_fitting_layouts_and_says_why_others_drop():
     from megalm.plan import compose, plan, search
     cfg, _ = compose([*TINY, "trainer.global_batch_size=32", "cluster=slurm_h100", "trainer.precision=bf16",

@@ -462,7 +462,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes --search runs in (default: this machine's CPU count)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
     with cli_errors(PROG):
         if args.search:
             if args.gpus is None:
