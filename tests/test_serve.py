@@ -300,3 +300,13 @@ def test_playground_streams_a_completion_in_a_real_browser(server, alone, tmp_pa
         assert driver.save_screenshot(str(tmp_path / "playground.png"))
     finally:
         driver.quit()
+
+
+@pytest.mark.parametrize("port", ["-1", "65536"])
+def test_a_port_out_of_range_is_named_before_anything_loads(tmp_path, capsys, port):
+    """--port -1 is one line naming it (not uvicorn's OverflowError), said before the run is looked for."""
+    from megalm.serve import main
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "no_run"), "--port", port])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and err == f"megalm.serve: invalid config: --port {port} must be 0 to 65535 (0: any free port)", err

@@ -117,6 +117,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = ap.parse_args(argv)
     with cli_errors(PROG):
         from megalm.generate import _resolve_device
+        if not 0 <= args.port <= 65535:
+            raise ConfigError(f"--port {args.port} must be 0 to 65535 (0: any free port)")
         if args.tp < 1 or args.pp < 1:
             raise ConfigError(f"--tp {args.tp} and --pp {args.pp} must be at least 1")
         options = dict(device=_resolve_device(args.device), slots=args.slots, max_queue=args.max_queue,
