@@ -166,3 +166,23 @@ def test_a_job_stopped_by_ctrl_c_is_not_a_failure(tmp_path, monkeypatch, raised,
     assert job["status"] == status and job["overrides"] == ["optimizer.lr=0.1"]
     assert job["error"] == (None if status == "stopped" else "RuntimeError: boom")
     assert (tmp_path / "summary.csv").read_text().splitlines()[1].startswith(f"0,optimizer.lr=0.1,{status}")
+
+
+def test_an_output_that_cannot_be_written_is_named_before_drawing(tmp_path, capsys, monkeypatch):
+    """--output in a folder that cannot be made or written is one line naming it, said before the figure is drawn
+    (not PIL's traceback after); a folder that is only missing is made, as before."""
+    import megalm.report as report
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    report.main([str(run), "--output", str(tmp_path / "missing" / "x.png")])
+    assert (tmp_path / "missing" / "x.png").read_bytes()[:8] == PNG
+    (tmp_path / "file").write_text("")
+    (tmp_path / "d.png").mkdir()
+    monkeypatch.setattr(report, "draw", lambda *a, **k: pytest.fail("drew before checking --output"))
+    for output in (tmp_path / "file" / "x.png", tmp_path / "file" / "sub" / "x.png", tmp_path / "d.png"):
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as stop:
+            report.main([str(run), "--output", str(output)])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 1 and err.startswith(f"megalm.report: invalid config: --output={output}"), err

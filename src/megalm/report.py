@@ -212,6 +212,20 @@ def write_sweep_summary(sweep_dir: Path) -> List[dict]:
     return rows
 
 
+def _check_writable(output: Path) -> None:
+    """Make --output's folder (as write_report does) and a file in it, or say why it cannot be written."""
+    if output.is_dir():
+        raise ConfigError(f"--output={output} is a directory; give the path of the .png to write")
+    probe = output.with_name(f".{output.name}.{os.getpid()}.tmp")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        probe.open("wb").close()
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"--output={output}: cannot write a file in {output.parent} ({e.strerror or e}); "
+                          "give a .png path in a folder you can write to") from None
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, metavar="RUN_OR_SWEEP_DIR")
@@ -226,6 +240,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if output.suffix.lower() != ".png":
             raise ConfigError(f"--output={output}: the report is a PNG; give a path ending in .png")
         runs = find_runs(args.dirs)
+        _check_writable(output)  # before drawing, not as PIL's traceback after it
         write_report(runs, output, args.title)
         if len(args.dirs) == 1 and any((args.dirs[0] / d / JOB).is_file() for d in os.listdir(args.dirs[0])
                                        if (args.dirs[0] / d).is_dir()):
