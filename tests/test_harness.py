@@ -139,3 +139,17 @@ def test_tasks_in_the_include_path_alone_skip_the_harness_index(tmp_path):
     built.clear()
     _task_manager(Recording, ["hellaswag"], None)
     assert built == [True]
+
+
+def test_an_unknown_task_is_named_with_the_closest_before_the_model_loads(tmp_path, capsys):
+    """A misspelt task is one line naming it and the closest known name (the --include-path folder's or the
+    harness's own), said before the run is loaded: not the harness's KeyError once the model is up."""
+    from megalm.evaluate.harness import main
+    (tmp_path / "mine.yaml").write_text("task: megalm_mine\ndataset_path: json\noutput_type: multiple_choice\n")
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "no_run"), "--tasks", "megalm_mine,megalm_mien", "--include-path", str(tmp_path),
+              "--limit", "2"])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and err == (
+        "megalm.evaluate.harness: invalid config: --tasks megalm_mien: not a task, group or tag the harness knows "
+        "(did you mean megalm_mine?); `lm-eval ls tasks` lists them"), err

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
-from megalm.errors import ConfigError, cli_errors
+from megalm.errors import ConfigError, cli_errors, did_you_mean
 from megalm.evaluate.likelihood import Scorer, windows
 
 try:
@@ -162,14 +162,25 @@ def _task_manager(task_manager_class, tasks: List[str], include_path: Optional[s
     return task_manager_class(include_path=include_path)
 
 
+def _check_tasks(manager, tasks: List[str], include_path: Optional[str]) -> None:
+    """Each task a name the harness's index holds (a task, group or tag) or a task YAML file, as it loads them."""
+    for task in tasks:
+        if task not in manager.all_tasks and not Path(task).expanduser().is_file():
+            raise ConfigError(f"--tasks {task}: not a task, group or tag the harness knows"
+                              f"{did_you_mean(task, manager.all_tasks)}; `lm-eval ls tasks` lists them"
+                              + ("" if include_path else ", and --include-path DIR adds a folder of your own"))
+
+
 def _run_harness(run_dir, tasks, include_path, limit, num_fewshot, batch_size, device, tp,
                  pp) -> Optional[Dict[str, Any]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
     from megalm.evaluate.layout import is_rank0
+    manager = _task_manager(TaskManager, tasks, include_path)
+    _check_tasks(manager, tasks, include_path)  # before the model loads, not as the harness's KeyError after
     model = MegalmLM(str(run_dir), device=device, batch_size=batch_size, tp=tp, pp=pp)
     out = lm_eval.simple_evaluate(model=model, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                                  task_manager=_task_manager(TaskManager, tasks, include_path), log_samples=False)
+                                  task_manager=manager, log_samples=False)
     if out is None:  # the harness returns its results on the first rank only (LOCAL_RANK 0, under a launcher)
         return None
     results = {"run": str(run_dir), "step": model.state["step"], "tp": tp, "pp": pp, "results": out["results"]}
