@@ -51,3 +51,29 @@ def test_a_run_logs_to_tensorboard_what_metrics_jsonl_holds(tmp_path):
     assert [step for step, _ in got["loss"]] == [1, 2, 3]
     assert [step for step, _ in got["val_loss"]] == [0, 2, 3]  # at the start, eval_interval, the end
     assert got["loss"][0][1] == pytest.approx(np.log(256), rel=0.05)  # a fresh model over 256 tokens
+
+
+def test_wandb_online_without_a_login_says_how_to_log_in(tmp_path):
+    """logging.wandb.mode=online with no API key is megalm's ConfigError saying what to do, not wandb's
+    UsageError: a real wandb.init, in a process whose environment holds no key (and, with error reporting
+    off, wandb touches no network before refusing)."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb"), WANDB_ERROR_REPORTING="false",
+               NETRC=str(tmp_path / ".netrc"))
+    code = ("from pathlib import Path\n"
+            "from megalm.config import WandbConfig\n"
+            "from megalm.errors import ConfigError\n"
+            "from megalm.training.metrics import WandbSink\n"
+            "try:\n"
+            "    WandbSink(WandbConfig(mode='online'), Path('.'), {})\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = out.stdout.strip()
+    assert said.startswith("logging.wandb.mode=online: wandb did not start (") and said.endswith(
+        "run `wandb login` or set WANDB_API_KEY, or set logging.wandb.mode=offline (or disabled)"), said

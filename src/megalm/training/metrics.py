@@ -61,8 +61,12 @@ def keep_records_through(path: Path, step: int) -> None:
 class WandbSink:
     def __init__(self, cfg, run_dir: Path, config: Dict[str, Any]):
         import wandb  # a dependency, imported lazily: it is slow to import and most tests disable it
-        self.run = wandb.init(mode=cfg.mode, project=cfg.project, entity=cfg.entity, dir=str(run_dir),
-                              config=config, name=run_dir.name, reinit="finish_previous")
+        try:
+            self.run = wandb.init(mode=cfg.mode, project=cfg.project, entity=cfg.entity, dir=str(run_dir),
+                                  config=config, name=run_dir.name, reinit="finish_previous")
+        except (wandb.errors.UsageError, wandb.errors.AuthenticationError) as e:  # no API key, or a bad one
+            raise ConfigError(f"logging.wandb.mode={cfg.mode}: wandb did not start ({e}): run `wandb login` or set "
+                              "WANDB_API_KEY, or set logging.wandb.mode=offline (or disabled)") from None
 
     def write(self, record: Dict[str, Any]) -> None:
         self.run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
