@@ -163,3 +163,26 @@ def test_after_a_signal_no_keep_alive_timer_is_left_to_be_freed_on_its_own_threa
         sys.unraisablehook = hook
     assert not thread.is_alive()
     assert not ignored, [f"{type(u.exc_value).__name__}: {u.exc_value}" for u in ignored]
+
+
+@pytest.mark.parametrize("env,named", [
+    ({"RANK": "0", "WORLD_SIZE": "abc"}, "WORLD_SIZE='abc'"),
+    ({"RANK": "first", "WORLD_SIZE": "2"}, "RANK='first'"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0.5"}, "LOCAL_RANK='0.5'"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "two"}, "SLURM_NTASKS='two'"),
+    ({"SLURM_PROCID": "", "SLURM_NTASKS": "2"}, "SLURM_PROCID=''"),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "x"}, "SLURM_LOCALID='x'"),
+])
+def test_a_launcher_variable_that_is_not_a_number_is_named(monkeypatch, env, named):
+    """`WORLD_SIZE=abc python -m megalm.train` names the variable and its value, not int()'s "invalid literal"."""
+    from megalm.errors import ConfigError
+    from megalm.launch import detect_rank_env
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as e:
+        detect_rank_env()
+    assert str(e.value).startswith(f"{named} in the environment must be a whole number"), str(e.value)
+    monkeypatch.setenv(named.split("=")[0], "2")
+    assert detect_rank_env().world_size == 2  # a number there, the launcher's ranks are read as before

@@ -35,13 +35,25 @@ class RankEnv:
     launcher: str  # torchrun | slurm | local
 
 
+def env_int(name: str, default: int = 0) -> int:
+    """The whole number a launcher's variable holds (`default` when unset); ConfigError naming it otherwise."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} in the environment must be a whole number, as torchrun and srun set it "
+                          f"(unset {name} to start megalm without a launcher)") from None
+
+
 def detect_rank_env() -> Optional[RankEnv]:
     """The rank this process already is, when a launcher started it; None for a plain `python` start."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return RankEnv(int(env["RANK"]), int(env.get("LOCAL_RANK", 0)), int(env["WORLD_SIZE"]), "torchrun")
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
-        return RankEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_LOCALID", 0)), int(env["SLURM_NTASKS"]), "slurm")
+        return RankEnv(env_int("RANK"), env_int("LOCAL_RANK"), env_int("WORLD_SIZE"), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and env_int("SLURM_NTASKS") > 1:
+        return RankEnv(env_int("SLURM_PROCID"), env_int("SLURM_LOCALID"), env_int("SLURM_NTASKS"), "slurm")
     return None
 
 
@@ -264,7 +276,7 @@ def init_distributed(cfg: Config, device_type: str) -> None:
     if backend == "auto":
         backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda":
-        torch.cuda.set_device(int(env.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(env_int("LOCAL_RANK"))
     dist.init_process_group(backend)
 
 
