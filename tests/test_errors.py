@@ -313,6 +313,15 @@ def test_a_model_whose_state_outgrows_the_machine_is_refused_before_allocating(m
     assert allocated == []
 
 
+def test_curves_without_the_metrics_they_are_drawn_from_are_said_to_be_missing(monkeypatch, capsys, tmp_path):
+    r = in_process(monkeypatch, capsys, *MOCK, "trainer.max_steps=1", "logging.jsonl=false", "logging.curves=true",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "logging.curves=true draws metrics.jsonl, which logging.jsonl=false leaves unwritten: no curves.png" in \
+        r.stdout + r.stderr
+    assert not (tmp_path / "run" / "curves.png").exists()
+
+
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
                    f"hydra.run.dir={tmp_path / 'a'}")

@@ -74,7 +74,6 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         if rank == 0:
             log.warning("%s", why)
         return start.state.get("val_loss")
-    checkpointer.check_writable()  # before any training a failed save would lose
 
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps),
@@ -106,7 +105,11 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         is_rank0=rank == 0, run_dir=run_dir, prefetch=cfg.data.prefetch)
     if start.path is not None:
         trainer.load(start.path, weights_only=start.weights_only, metadata=start.metadata)
+    checkpointer.check_writable()  # the last check: said now, not at the first save after the training it would lose
     # The start is accepted: only now does the run directory change.
+    if rank == 0 and cfg.logging.curves and not cfg.logging.jsonl:
+        log.warning("logging.curves=true draws metrics.jsonl, which logging.jsonl=false leaves unwritten: no "
+                    "curves.png for this run")
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(config_yaml)  # the frozen, resolved config
