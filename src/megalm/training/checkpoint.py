@@ -79,8 +79,11 @@ def _barrier() -> None:
 def run_checkpoints(run_dir: Path) -> Path:
     """The checkpoint dir of a run directory: its config.yaml's checkpoint.dir, relative to the run."""
     from omegaconf import OmegaConf
-    ckpt = Path(str(OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir",
-                                     default="checkpoints"))).expanduser()
+    try:
+        saved = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir", default="checkpoints")
+    except Exception:  # an unreadable config.yaml (OSError, YAML's errors): the default folder
+        saved = "checkpoints"
+    ckpt = Path(str(saved)).expanduser()
     return ckpt if ckpt.is_absolute() else run_dir / ckpt
 
 

@@ -12,6 +12,7 @@ Activations are not model state and are not counted here.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Dict, Optional
 
 import torch
@@ -51,7 +52,8 @@ def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=
 def free_host_memory() -> Optional[int]:
     """Bytes this machine can still give (MemAvailable + SwapFree of /proc/meminfo); None where unknown."""
     try:
-        fields = dict(line.split(":", 1) for line in open("/proc/meminfo").read().splitlines() if ":" in line)
+        text = Path("/proc/meminfo").read_text()
+        fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
         return sum(int(fields[k].split()[0]) * 1024 for k in ("MemAvailable", "SwapFree"))
     except (OSError, KeyError, ValueError):
         return None
