@@ -322,6 +322,18 @@ def test_curves_without_the_metrics_they_are_drawn_from_are_said_to_be_missing(m
     assert not (tmp_path / "run" / "curves.png").exists()
 
 
+def test_a_folder_named_as_a_data_file_is_called_a_folder(tmp_path):
+    from megalm.data.sft import sft_records
+    from megalm.data.squad import read_squad
+    from megalm.errors import DataError
+    with pytest.raises(DataError, match=f"^{tmp_path} is a folder, not a file$"):
+        read_squad(tmp_path)
+    with pytest.raises(DataError, match=f"^{tmp_path / 'none.json'} does not exist$"):
+        read_squad(tmp_path / "none.json")
+    with pytest.raises(DataError, match=f"^data.paths: {tmp_path} is a folder, not a file$"):
+        list(sft_records([str(tmp_path)]))
+
+
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):
     r = in_process(monkeypatch, capsys, *MOCK, f"checkpoint.load={tmp_path / 'nowhere'}",
                    f"hydra.run.dir={tmp_path / 'a'}")

@@ -61,6 +61,13 @@ class DeviceError(MegalmError, RuntimeError):
     kind = "device"
 
 
+def not_a_file(path) -> str:
+    """Why a path named as a file cannot be read as one, for a message: "is a folder, not a file" or "does not
+    exist"."""
+    from pathlib import Path
+    return "is a folder, not a file" if Path(path).is_dir() else "does not exist"
+
+
 def did_you_mean(word: str, options: Iterable[str], prefix: str = "") -> str:
     """` (did you mean <prefix><closest>?)` for a message, or "" when nothing is close."""
     close = difflib.get_close_matches(word, [str(o) for o in options], n=1)

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 
 from megalm.data.jsonl import json_lines
-from megalm.errors import ConfigError, DataError
+from megalm.errors import ConfigError, DataError, not_a_file
 
 # task -> (text column, pair column or None, label column, label names or None for a regression; None header = CoLA)
 GLUE = {
@@ -107,7 +107,7 @@ def read_examples(paths: Sequence[str], task: str, labels: Sequence[str], num_la
                 out += _read_race(f)
             continue
         if not path.is_file():
-            raise DataError(f"{path} does not exist")
+            raise DataError(f"{path} {not_a_file(path)}")
         if task == "race":
             out += _read_race(path)
         elif task == "choice":

@@ -29,7 +29,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 
 from megalm.data.jsonl import json_lines, parallel_lines
-from megalm.errors import ConfigError, DataError
+from megalm.errors import ConfigError, DataError, not_a_file
 
 ROLES = ("system", "user", "assistant")
 ASSISTANT = "assistant"
@@ -106,13 +106,13 @@ def sft_records(paths: Sequence[str], pair_suffixes: Sequence[str] = (), as_chat
         path = Path(p).expanduser()
         if not pair_suffixes:
             if not path.is_file():
-                raise DataError(f"data.paths: {path} does not exist")
+                raise DataError(f"data.paths: {path} {not_a_file(path)}")
             yield from json_lines(path)
             continue
         source, target = (path.with_name(f"{path.name}.{s}") for s in pair_suffixes)
         for f in (source, target):
             if not f.is_file():
-                raise DataError(f"data.paths: {f} does not exist (data.pair_suffixes={list(pair_suffixes)} reads "
+                raise DataError(f"data.paths: {f} {not_a_file(f)} (data.pair_suffixes={list(pair_suffixes)} reads "
                                 f"{source.name} and {target.name} for the prefix {path})")
         for where, x, y in parallel_lines(source, target):
             yield where, ({"messages": [{"role": "user", "content": x}, {"role": ASSISTANT, "content": y}]}

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 import numpy as np
 
 from megalm.data.bert_dataset import Specials
-from megalm.errors import ConfigError, DataError
+from megalm.errors import ConfigError, DataError, not_a_file
 
 WHITESPACE = frozenset(" \t\r\n" + chr(0x202F))
 """What separates the words of a context: run_squad's is_whitespace."""
@@ -117,7 +117,7 @@ def read_squad(path: Union[str, Path]) -> List[Question]:
     """Every question of a SQuAD v1.1 or v2.0 JSON file, in file order."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise DataError(f"{path} does not exist")
+        raise DataError(f"{path} {not_a_file(path)}")
     try:
         with open(path, encoding="utf-8") as f:
             root = json.load(f)

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
+from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 
 PROG = "megalm.evaluate"
@@ -82,7 +82,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
                           f"--timeout={timeout_s:g} positive")
     data = generation.humaneval_path() if task == "code" and str(data) == "humaneval" else Path(data).expanduser()
     if not data.is_file():
-        raise MissingFileError(f"--data {data} does not exist")
+        raise MissingFileError(f"--data {data} {not_a_file(data)}")
     run_dir = Path(run_dir)
     if tp * pp * dp > 1:
         cfg, model, tok, state = load_at_layout(run_dir, tp, pp, device, dp)
