@@ -144,6 +144,19 @@ def test_openai_client_completions_chat_and_streams(server, alone):
     assert seeded[0] == seeded[1]
 
 
+def test_a_stream_sends_a_character_only_once_its_bytes_are_complete():
+    """Byte pieces of one character decode to U+FFFD until its last byte comes: held back, never sent and
+    then contradicted (which used to stop the stream's text there)."""
+    from megalm.serve.api import _delta
+    decoded = ["s", "s\ufffd", "s\ufffd\ufffd", "sՍ", "sՍ\ufffd", "sՍ\ufffdx", "sՍ\ufffdxy"]
+    sent, deltas = "", []
+    for so_far in decoded:
+        deltas.append(_delta(so_far, sent))
+        sent += deltas[-1]
+    assert deltas == ["s", "", "", "Ս", "", "\ufffdx", "y"]  # an invalid byte inside the text stays U+FFFD
+    assert sent == decoded[-1]
+
+
 @pytest.mark.parametrize("method, path, body, status, param", [
     ("post", "/v1/completions", "{not json", 400, "body"),
     ("post", "/v1/completions", {"prompt": 5, "max_tokens": 4}, 400, "prompt"),

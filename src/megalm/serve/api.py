@@ -298,8 +298,9 @@ class Server:
                                 "choices": [{"text": text, "index": index, "logprobs": None, "finish_reason": None}]})
                 while True:
                     kind, value, so_far, _ = await events.get()
-                    if kind == "token" and so_far.startswith(sent) and len(so_far) > len(sent):
-                        delta, sent = so_far[len(sent):], so_far
+                    delta = _delta(so_far, sent) if kind == "token" else ""
+                    if delta:
+                        sent += delta
                         yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                                     "choices": [{"text": delta, "index": index, "logprobs": None,
                                                  "finish_reason": None}]})
@@ -369,10 +370,10 @@ class Server:
                     kind, value, so_far, _ = await events.get()
                     if kind == "token":
                         # hold back what may be the template's closing text until the reply ends
-                        safe = so_far[:len(so_far) - len(after)] if after else so_far
-                        if safe.startswith(sent) and len(safe) > len(sent):
-                            yield chunk(j, {"content": safe[len(sent):]})
-                            sent = safe
+                        delta = _delta(so_far[:len(so_far) - len(after)] if after else so_far, sent)
+                        if delta:
+                            yield chunk(j, {"content": delta})
+                            sent += delta
                     elif kind in ("done", "error"):
                         final = req.text[:-len(after)] if after and req.text.endswith(after) else req.text
                         rest = final[len(sent):] if final.startswith(sent) else ""
@@ -389,6 +390,14 @@ class Server:
 
 
 _TYPE_TAG = re.compile(r"(str|int|float|bool|none|[a-z]+\[.*\]|function-[a-z]+\[.*\])")
+
+
+def _delta(so_far: str, sent: str) -> str:
+    """What of a reply decoded so far can be streamed after `sent` without ever changing: all but a trailing run of
+    U+FFFD, which is how the byte pieces of a character not yet complete decode (it becomes the character once its
+    last byte comes); "" while nothing new is settled."""
+    settled = so_far.rstrip("\ufffd")
+    return settled[len(sent):] if settled.startswith(sent) else ""
 
 
 def _sse(payload: Dict[str, Any]) -> str:
