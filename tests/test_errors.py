@@ -11,6 +11,7 @@ resume leaves the run directory as it was.
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -332,6 +333,31 @@ def test_a_folder_named_as_a_data_file_is_called_a_folder(tmp_path):
         read_squad(tmp_path / "none.json")
     with pytest.raises(DataError, match=f"^data.paths: {tmp_path} is a folder, not a file$"):
         list(sft_records([str(tmp_path)]))
+
+
+def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
+    """Latin-1 bytes (é as 0xE9) on line 2 of each reader's file: a DataError naming the file and line, not a
+    UnicodeDecodeError's traceback. CRLF line ends still read."""
+    from megalm.data.classification import read_examples
+    from megalm.data.jsonl import json_lines, parallel_lines
+    from megalm.errors import DataError
+    bad = "not UTF-8 text (invalid continuation byte at byte {at} of the line); re-encode it as UTF-8"
+    files = {"a.jsonl": b'{"text": "fine", "label": 0}\r\n{"text": "caf\xe9 ok", "label": 1}\n',
+             "a.ft": b"__label__pos fine\n__label__neg caf\xe9 au lait\n",
+             "a.tsv": b"sentence\tlabel\nfine\t1\ncaf\xe9\t0\n", "p.en": b"one\ntwo\n", "p.fr": b"un\ndeux \xe9\n"}
+    for name, raw in files.items():
+        (tmp_path / name).write_bytes(raw)
+    expect = lambda name, line, at: "^" + re.escape(f"{tmp_path / name}:{line}: " + bad.format(at=at)) + "$"  # noqa: E731
+    with pytest.raises(DataError, match=expect("a.jsonl", 2, 13)):
+        list(json_lines(tmp_path / "a.jsonl"))
+    with pytest.raises(DataError, match=expect("a.ft", 2, 16)):
+        read_examples([str(tmp_path / "a.ft")], "fasttext", ["neg", "pos"], 2)
+    with pytest.raises(DataError, match=expect("a.tsv", 3, 3)):
+        read_examples([str(tmp_path / "a.tsv")], "sst2", [], 2)
+    with pytest.raises(DataError, match=expect("p.fr", 2, 5)):
+        list(parallel_lines(tmp_path / "p.en", tmp_path / "p.fr"))
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "one", "label": 0}\r\n{"text": "two", "label": 1}\r\n')
+    assert [r["text"] for _, r in json_lines(tmp_path / "b.jsonl")] == ["one", "two"]
 
 
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):

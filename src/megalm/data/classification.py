@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines
+from megalm.data.jsonl import json_lines, not_utf8, text_lines
 from megalm.errors import ConfigError, DataError, not_a_file
 
 # task -> (text column, pair column or None, label column, label names or None for a regression; None header = CoLA)
@@ -135,14 +135,13 @@ def _read_jsonl(path: Path, names, num_labels: int) -> List[Example]:
 
 def _read_fasttext(path: Path, names, num_labels: int) -> List[Example]:
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            label, _, text = line.strip().partition(" ")
-            if not label.startswith(FASTTEXT_PREFIX) or not text.strip():
-                raise DataError(f"{path}:{n}: a fastText line is '{FASTTEXT_PREFIX}<name> text'; got {line[:60]!r}")
-            out.append(Example(text.strip(), None, _label(label[len(FASTTEXT_PREFIX):], names, num_labels, f"{path}:{n}")))
+    for n, line in text_lines(path):
+        if not line.strip():
+            continue
+        label, _, text = line.strip().partition(" ")
+        if not label.startswith(FASTTEXT_PREFIX) or not text.strip():
+            raise DataError(f"{path}:{n}: a fastText line is '{FASTTEXT_PREFIX}<name> text'; got {line[:60]!r}")
+        out.append(Example(text.strip(), None, _label(label[len(FASTTEXT_PREFIX):], names, num_labels, f"{path}:{n}")))
     return out
 
 
@@ -168,6 +167,8 @@ def _read_race(path: Path) -> List[Example]:
         rec = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
+    except UnicodeDecodeError as e:
+        raise not_utf8(str(path), e) from None
     keys = ("article", "questions", "options", "answers")
     if not isinstance(rec, dict) or any(k not in rec for k in keys):
         raise DataError(f"{path}: a RACE file holds one JSON object with {', '.join(keys)}")
@@ -189,26 +190,25 @@ def _read_race(path: Path) -> List[Example]:
 def _read_glue(path: Path, task: str, names, num_labels: int) -> List[Example]:
     text_col, pair_col, label_col, _ = GLUE[task]
     out = []
-    with open(path, encoding="utf-8", newline="") as f:
-        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
-        header: Dict[Union[str, int], int] = {}
-        if isinstance(text_col, str):
-            first = next(rows, None)
-            if first is None:
-                return out
-            header = {name: k for k, name in enumerate(first)}
-            missing = [c for c in (text_col, pair_col, label_col) if c is not None and c not in header]
-            if missing:
-                raise DataError(f"{path}:1: the {task} header lacks {', '.join(missing)} (has {', '.join(first)}); "
-                                f"a test file without labels cannot be trained or scored")
-        col = (lambda c: header[c]) if header else (lambda c: c)
-        for n, row in enumerate(rows, 2 if header else 1):
-            where = f"{path}:{n}"
-            need = max(col(c) for c in (text_col, pair_col, label_col) if c is not None)
-            if len(row) <= need:
-                raise DataError(f"{where}: {len(row)} columns, the {task} layout needs {need + 1}")
-            out.append(Example(row[col(text_col)], row[col(pair_col)] if pair_col is not None else None,
-                               _label(row[col(label_col)], names, num_labels, where)))
+    rows = csv.reader((line for _, line in text_lines(path)), delimiter="\t", quoting=csv.QUOTE_NONE)
+    header: Dict[Union[str, int], int] = {}
+    if isinstance(text_col, str):
+        first = next(rows, None)
+        if first is None:
+            return out
+        header = {name: k for k, name in enumerate(first)}
+        missing = [c for c in (text_col, pair_col, label_col) if c is not None and c not in header]
+        if missing:
+            raise DataError(f"{path}:1: the {task} header lacks {', '.join(missing)} (has {', '.join(first)}); "
+                            f"a test file without labels cannot be trained or scored")
+    col = (lambda c: header[c]) if header else (lambda c: c)
+    for n, row in enumerate(rows, 2 if header else 1):
+        where = f"{path}:{n}"
+        need = max(col(c) for c in (text_col, pair_col, label_col) if c is not None)
+        if len(row) <= need:
+            raise DataError(f"{where}: {len(row)} columns, the {task} layout needs {need + 1}")
+        out.append(Example(row[col(text_col)], row[col(pair_col)] if pair_col is not None else None,
+                           _label(row[col(label_col)], names, num_labels, where)))
     return out
 
 

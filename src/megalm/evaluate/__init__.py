@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
+from megalm.data.jsonl import not_utf8
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 
@@ -124,7 +125,10 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
     # The softmax over the model's vocabulary, as training's loss takes it (padding rows excluded).
     scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
     if task == "perplexity":
-        text = data.read_text(encoding="utf-8")
+        try:
+            text = data.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise not_utf8(str(data), e) from None
         if not text.strip():
             raise DataError(f"{data} is empty")
         metrics = perplexity(scorer, tok, text, cfg.model.seq_length if stride is None else stride)
