@@ -383,8 +383,13 @@ def test_evaluate_classify_scores_gpt_and_multiple_choice_runs(runs, choices, se
                 pred = model.predictions(out, s) if hasattr(model, "predictions") else out
                 right += int(int(pred.argmax(-1)) == e.label)
         assert got["examples"] == len(examples) and got["accuracy"] == right / len(examples), head
-    with pytest.raises(ConfigError, match="fine-tuned classifier .* classify task"):
+    with pytest.raises(ConfigError, match="fine-tuned scorer .* classify task"):
         evaluate(root / "gpt_labels" / "single", "perplexity", sentiment[1])
+    from megalm.generate import check_generates, load_run_config  # nor does it sample its class scores as text
+    run = root / "gpt_labels" / "single"
+    with pytest.raises(ConfigError, match=f"{run} is a fine-tuned scorer with no language-model head: megalm.generate "
+                                          f"samples text .*; score it with `python -m megalm.evaluate {run} classify"):
+        check_generates(load_run_config(run), run)
 
 
 @pytest.mark.parametrize("name, text, message", [

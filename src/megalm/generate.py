@@ -207,8 +207,26 @@ def main(argv: Optional[List[str]] = None) -> None:
         _generate(args)
 
 
+def scoring_task(model_cfg) -> str:
+    """The megalm.evaluate task that scores a run with a fine-tuning head: squad (a span head) or classify."""
+    return "squad" if getattr(model_cfg, "span_head", False) else "classify"
+
+
+def check_generates(cfg, run_dir: Path) -> None:
+    """Only a decoder language model (gpt) or an encoder-decoder (t5) samples text; say what else a run is."""
+    head = getattr(cfg.model, "fine_tuning_head", False)
+    if cfg.model.arch in ("gpt", "t5") and not head:
+        return
+    what = ("a fine-tuned scorer with no language-model head" if head else
+            f"an encoder (model.arch={cfg.model.arch}) with no decoder to sample from")
+    raise ConfigError(f"{run_dir} is {what}: megalm.generate samples text from decoder language models (gpt) and "
+                      f"encoder-decoder ones (t5)" + (f"; score it with `python -m megalm.evaluate {run_dir} "
+                                                       f"{scoring_task(cfg.model)} --data FILE`" if head else ""))
+
+
 def _generate(args: argparse.Namespace) -> None:
     check_options(args)
+    check_generates(load_run_config(args.run_dir), args.run_dir)
     cfg, model, tok, state = load_for_generation(args.run_dir, _resolve_device(args.device))
     if hasattr(model, "encode"):
         return _generate_seq2seq(args, cfg, model, tok, state)

@@ -75,7 +75,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
              n_best: int = 20, max_answer_length: int = 30, null_threshold: float = 0.0, write: bool = True) -> Dict[str, Any]:
     from megalm.evaluate import generation
     from megalm.evaluate.layout import is_rank0, load_at_layout
-    from megalm.generate import load_for_generation
+    from megalm.generate import load_for_generation, scoring_task
     if task not in TASKS:
         raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
     if batch_size < 1 or max_new_tokens < 1 or timeout_s <= 0:
@@ -105,8 +105,8 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
                         null_threshold=null_threshold, details=details)
         return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
     if getattr(cfg.model, "fine_tuning_head", False):
-        raise ConfigError(f"{run_dir} is a fine-tuned classifier (no language-model head): score it with the "
-                          "classify task")
+        raise ConfigError(f"{run_dir} is a fine-tuned scorer (no language-model head): score it with the "
+                          f"{scoring_task(cfg.model)} task")
     if hasattr(model, "encode") and task != "generate":
         raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={cfg.model.arch}): its task is generate "
                           f"(a translation, scored by BLEU and chrF), not {task}")
