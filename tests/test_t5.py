@@ -455,7 +455,7 @@ def test_parallel_text_files_are_the_pairs_json_lines_hold(tmp_path, model):
         data(f"data.paths=[{tmp_path / 'train'}]", "data.pair_suffixes=[en]")
     (tmp_path / "blank.en").write_text("1\n2\n")
     (tmp_path / "blank.fr").write_text("1\n\n")
-    with pytest.raises(DataError, match=r"blank.en:2: the target is empty"):
+    with pytest.raises(DataError, match=r"blank.en:2 \(blank.fr:2\): the target is empty"):
         data(f"data.paths=[{tmp_path / 'blank'}]", "data.pair_suffixes=[en,fr]")
 
 

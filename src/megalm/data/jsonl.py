@@ -46,7 +46,7 @@ def json_lines(path: Union[str, Path]) -> Iterator[Tuple[str, Any]]:
 
 
 def parallel_lines(source: Path, target: Path) -> Iterator[Tuple[str, str, str]]:
-    """("source:line", source line, target line) of two line-aligned text files (a translation corpus
+    """("source:line (target:line)", source line, target line) of two line-aligned text files (a translation corpus
     as fairseq and Moses keep it: line k of one is translated by line k of the other), without their
     line ends. Files of different lengths are a DataError naming both counts."""
     a, b = (line for _, line in text_lines(source)), (line for _, line in text_lines(target))
@@ -57,4 +57,4 @@ def parallel_lines(source: Path, target: Path) -> Iterator[Tuple[str, str, str]]
             lengths = (n - 1, n - 1 + rest) if x is None else (n - 1 + rest, n - 1)
             raise DataError(f"{source} has {lengths[0]} lines and {target} {lengths[1]}: parallel files pair "
                             "their lines one to one")
-        yield f"{source}:{n}", x.rstrip("\r\n"), y.rstrip("\r\n")
+        yield f"{source}:{n} ({target.name}:{n})", x.rstrip("\r\n"), y.rstrip("\r\n")  # a message may be about either
