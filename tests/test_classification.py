@@ -54,11 +54,19 @@ def test_glue_layouts(tmp_path):
     ("jsonl", ['{"text": "a", "label": 5}'], [], 2, r"jsonl.tsv:1: label 5 is not one of 0..1"),
     ("jsonl", ['{"text": "a"}'], [], 2, r"jsonl.tsv:1: needs 'text' .* and 'label'"),
     ("stsb", ["sentence1\tsentence2\tscore", "a\tb\thigh"], [], 1, r"stsb.tsv:2: label 'high' is not a number"),
+    ("stsb", ["sentence1\tsentence2\tscore", "a\tb\t1.5", "c\td\tinf"], [], 1,
+     r"stsb.tsv:3: label 'inf' is not a finite number"),
+    ("jsonl", ['{"text": "a", "label": NaN}'], [], 1, r"jsonl.tsv:1: label nan is not a finite number"),
 ])
 def test_bad_examples_name_file_and_line(tmp_path, task, lines, labels, num_labels, message):
     path = _write(tmp_path / f"{task}.tsv", lines)
     with pytest.raises(DataError, match=message):
         read_examples([path], task, labels, num_labels)
+
+
+def test_a_class_named_twice_is_refused():
+    with pytest.raises(ConfigError, match=r"data.labels=\['pos', 'pos'\] names pos more than once"):
+        read_examples([], "jsonl", ["pos", "pos"], 2)
 
 
 def test_pair_samples_trim_the_longer_text_first():

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -63,6 +64,10 @@ def task_labels(task: str, labels: Sequence[str]) -> Optional[Tuple[str, ...]]:
         raise ConfigError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
     if task in CHOICE_TASKS:
         return None
+    twice = sorted({name for name in labels if list(labels).count(name) > 1})
+    if twice:
+        raise ConfigError(f"data.labels={list(labels)} names {', '.join(twice)} more than once: each class once, in "
+                          "label order")
     if task == "fasttext" and not labels:
         raise ConfigError("data.task=fasttext names its classes in data.labels (e.g. data.labels=[neg,pos] for "
                           "__label__neg / __label__pos), in label order")
@@ -82,9 +87,12 @@ def num_classes(task: str, labels: Sequence[str], num_labels: int) -> int:
 def _label(value, names: Optional[Tuple[str, ...]], num_labels: int, where: str) -> Union[int, float]:
     if num_labels == 1:
         try:
-            return float(value)
+            number = float(value)
         except (TypeError, ValueError):
             raise DataError(f"{where}: label {value!r} is not a number (a regression: model.num_labels=1)") from None
+        if not math.isfinite(number):  # one such target makes every step's loss non-finite
+            raise DataError(f"{where}: label {value!r} is not a finite number (a regression: model.num_labels=1)")
+        return number
     if names is not None and str(value) in names:
         return names.index(str(value))
     if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < num_labels:
