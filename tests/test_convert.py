@@ -286,6 +286,9 @@ def test_cli_import_then_export(tmp_path, capsys):
     assert e.value.code == 1
     assert capsys.readouterr().err.startswith(f"megalm.convert: output exists: {tmp_path / 'ckpt'} is not empty")
     main(["export", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16"])
+    (tmp_path / "back" / "tokenizer.model").write_bytes(b"an earlier export's tokenizer")
+    main(["export", str(tmp_path / "ckpt"), str(tmp_path / "back"), "--dtype", "bfloat16", "--force"])
+    assert sorted(p.name for p in (tmp_path / "back").iterdir()) == ["config.json", "model.safetensors"]  # none stale
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").float().eval()
     rounded = copy.deepcopy(hf)
     with torch.no_grad():

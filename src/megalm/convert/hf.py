@@ -184,6 +184,10 @@ def _run_tokenizer(run_dir: Optional[Path]):
         return None
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""What `_copy_tokenizer` may write next to exported weights."""
+
+
 def _copy_tokenizer(tok, run_dir: Path, out: Path) -> Optional[str]:
     """Put the run's tokenizer next to the HF weights; return what was written."""
     eod_token = getattr(tok, "eod_token", None)
@@ -238,6 +242,8 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
             tensors[hf_name] = part.to(dtype=DTYPES[dtype], copy=True).contiguous()
     tok = _run_tokenizer(run_dir) if copy_tokenizer else None
     out.mkdir(parents=True, exist_ok=True)
+    for stale in TOKENIZER_FILES:  # an earlier export's (--force): never left beside weights it does not fit
+        (out / stale).unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = hf_config(cfg, arch, dtype, eod=tok.eod if tok is not None and tok.eod < cfg.vocab_size else None)
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
