@@ -337,7 +337,7 @@ def test_a_folder_named_as_a_data_file_is_called_a_folder(tmp_path):
 
 def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     """Latin-1 bytes (é as 0xE9) on line 2 of each reader's file: a DataError naming the file and line, not a
-    UnicodeDecodeError's traceback. CRLF line ends still read."""
+    UnicodeDecodeError's traceback. A byte-order mark and CRLF line ends still read."""
     from megalm.data.classification import read_examples
     from megalm.data.jsonl import json_lines, parallel_lines
     from megalm.errors import DataError
@@ -356,8 +356,16 @@ def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
         read_examples([str(tmp_path / "a.tsv")], "sst2", [], 2)
     with pytest.raises(DataError, match=expect("p.fr", 2, 5)):
         list(parallel_lines(tmp_path / "p.en", tmp_path / "p.fr"))
-    (tmp_path / "b.jsonl").write_bytes(b'{"text": "one", "label": 0}\r\n{"text": "two", "label": 1}\r\n')
+    # A byte-order mark (as Windows editors write one) and CRLF line ends read as plain UTF-8 lines.
+    (tmp_path / "b.jsonl").write_bytes(b'\xef\xbb\xbf{"text": "one", "label": 0}\r\n{"text": "two", "label": 1}\r\n')
     assert [r["text"] for _, r in json_lines(tmp_path / "b.jsonl")] == ["one", "two"]
+    (tmp_path / "b.tsv").write_bytes(b"\xef\xbb\xbfsentence\tlabel\r\nfine\t1\r\n")
+    assert read_examples([str(tmp_path / "b.tsv")], "sst2", [], 2)[0].text == "fine"
+    from megalm.data.squad import read_squad
+    squad = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": "a b", "qas": [
+        {"id": "1", "question": "q", "answers": [{"text": "a", "answer_start": 0}], "is_impossible": False}]}]}]}
+    (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(squad).encode())
+    assert [q.qid for q in read_squad(tmp_path / "b.json")] == ["1"]
 
 
 def test_missing_and_damaged_checkpoints(monkeypatch, capsys, mock_run, tmp_path):

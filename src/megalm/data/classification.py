@@ -172,7 +172,7 @@ def _read_choice(path: Path, num_choices: int) -> List[Example]:
 
 def _read_race(path: Path) -> List[Example]:
     try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
+        rec = json.loads(path.read_text(encoding="utf-8-sig"))
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{e.lineno}: not JSON ({e.msg})") from None
     except UnicodeDecodeError as e:

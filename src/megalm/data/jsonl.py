@@ -20,8 +20,8 @@ def not_utf8(where: str, error: UnicodeDecodeError) -> DataError:
 
 def text_lines(path: Union[str, Path]) -> Iterator[Tuple[int, str]]:
     """(line number, line) of a UTF-8 text file (gunzipped when its name ends in .gz), each line ending in "\n"
-    as text mode reads "\r\n"; bytes that are not UTF-8 are a DataError naming the file and line. (Each line is
-    decoded alone, so the error names its line; a text-mode file decodes whole blocks.)"""
+    as text mode reads "\r\n", a leading byte-order mark dropped; bytes that are not UTF-8 are a DataError naming
+    the file and line. (Each line is decoded alone, so the error names its line; text mode decodes whole blocks.)"""
     path = Path(path)
     with (gzip.open(path, "rb") if path.name.endswith(".gz") else open(path, "rb")) as f:
         for n, raw in enumerate(f, 1):
@@ -29,6 +29,8 @@ def text_lines(path: Union[str, Path]) -> Iterator[Tuple[int, str]]:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise not_utf8(f"{path}:{n}", e) from None
+            if n == 1 and line.startswith("\ufeff"):  # a byte-order mark, as Windows editors write: not text
+                line = line[1:]
             yield n, line[:-2] + "\n" if line.endswith("\r\n") else line
 
 

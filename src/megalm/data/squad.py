@@ -119,7 +119,7 @@ def read_squad(path: Union[str, Path]) -> List[Question]:
     if not path.is_file():
         raise DataError(f"{path} {not_a_file(path)}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a leading byte-order mark is not JSON
             root = json.load(f)
     except json.JSONDecodeError as e:
         raise DataError(f"{path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None

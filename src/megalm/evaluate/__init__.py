@@ -126,7 +126,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
     scorer = Scorer(model, cfg.model.vocab_size, cfg.model.seq_length, tok.eod, batch_size)
     if task == "perplexity":
         try:
-            text = data.read_text(encoding="utf-8")
+            text = data.read_text(encoding="utf-8-sig")  # -sig: a leading byte-order mark is not text
         except UnicodeDecodeError as e:
             raise not_utf8(str(data), e) from None
         if not text.strip():
