@@ -64,9 +64,12 @@ def test_bad_examples_name_file_and_line(tmp_path, task, lines, labels, num_labe
         read_examples([path], task, labels, num_labels)
 
 
-def test_a_class_named_twice_is_refused():
+def test_a_class_named_twice_or_for_a_task_with_its_own_is_refused():
     with pytest.raises(ConfigError, match=r"data.labels=\['pos', 'pos'\] names pos more than once"):
         read_examples([], "jsonl", ["pos", "pos"], 2)
+    with pytest.raises(ConfigError, match=r"data.labels=\['neg', 'pos'\] names the classes of data.task=jsonl or "
+                                          r"fasttext; data.task=sst2 has its own \(0, 1\): leave data.labels empty"):
+        read_examples([], "sst2", ["neg", "pos"], 2)
 
 
 def test_pair_samples_trim_the_longer_text_first():

@@ -62,6 +62,10 @@ def task_labels(task: str, labels: Sequence[str]) -> Optional[Tuple[str, ...]]:
     or integer labels, which model.num_labels bounds)."""
     if task not in TASKS:
         raise ConfigError(f"data.task={task!r} is not one of {', '.join(TASKS)}")
+    if labels and task not in ("jsonl", "fasttext"):
+        raise ConfigError(f"data.labels={list(labels)} names the classes of data.task=jsonl or fasttext; "
+                          f"data.task={task} has its own" + (f" ({', '.join(GLUE[task][3])})" if task in GLUE and
+                                                             GLUE[task][3] else "") + ": leave data.labels empty")
     if task in CHOICE_TASKS:
         return None
     twice = sorted({name for name in labels if list(labels).count(name) > 1})
