@@ -88,6 +88,9 @@ def test_epochs_are_permutations_and_samples_depend_on_their_index_only():
     ('{"messages": [{"role": "user", "content": "a"}]}', r"x.jsonl:2: the chat has no assistant message"),
     ('{"messages": [{"role": "bot", "content": "a"}]}', r"x.jsonl:2: message 0 must be .*system, user, assistant"),
     ('{"prompt": "' + "word " * 60 + '", "response": "b"}', r"x.jsonl:2: the example is \d+ tokens .* at most 33"),
+    ('{"prompt": "a", "response": "b", "messages": [{"role": "assistant", "content": "c"}]}',
+     r"x.jsonl:2: an example is either a chat \('messages'\) or a prompt / response pair; this one has 'messages' "
+     r"and 'prompt' and 'response'"),
 ])
 def test_bad_examples_name_file_and_line(run, tmp_path, line, message):
     from megalm.data.sft import read_examples

@@ -53,6 +53,10 @@ def example_pieces(record, template: str, where: str) -> List[Tuple[str, bool]]:
     if not isinstance(record, dict):
         raise DataError(f"{where}: an example is a JSON object, got {type(record).__name__}")
     if "messages" in record:
+        both = [k for k in ("prompt", "response") if k in record]
+        if both:
+            raise DataError(f"{where}: an example is either a chat ('messages') or a prompt / response pair; this "
+                            f"one has 'messages' and {' and '.join(repr(k) for k in both)}")
         messages = record["messages"]
         if not isinstance(messages, list) or not messages:
             raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
