@@ -353,12 +353,16 @@ def _alone(run_dir, source, max_new_tokens):
 
 
 def test_generate_cli_reads_the_prompt_as_the_source(t5_run, capsys):
-    from megalm.generate import main
+    from megalm.generate import load_run_config, main
     main([str(t5_run), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert "t5_tiny" in err and "source: '5 6 7 8'" in err
     want, _, _ = _alone(t5_run, [5, 6, 7, 8], 6)
     assert out.strip() == " ".join(map(str, want))
+    cfg = load_run_config(t5_run)
+    room = cfg.model.decoder_seq_length - 1
+    main([str(t5_run), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", str(room + 5)])
+    assert f"# generating at most {room} tokens, not {room + 5}" in capsys.readouterr().err
 
 
 def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):

@@ -268,6 +268,10 @@ def _generate_seq2seq(args: argparse.Namespace, cfg, model, tok, state) -> None:
     source = tok.encode(args.prompt)
     check_source(source, tok.vocab_size, cfg.model.seq_length, what="--prompt")
     print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']}); source: {args.prompt!r}", file=sys.stderr)
+    room = cfg.model.decoder_seq_length - 1  # the decoder's positions after [BOS]
+    if args.max_new_tokens > room:
+        print(f"# generating at most {room} token{'s' if room != 1 else ''}, not {args.max_new_tokens}: "
+              f"model.decoder_seq_length={cfg.model.decoder_seq_length} holds [BOS] and {room} more", file=sys.stderr)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"\n# --- sample {i + 1} ---")
