@@ -130,6 +130,13 @@ def test_openai_client_completions_chat_and_streams(server, alone):
     streamed = "".join(c.choices[0].text for c in client.completions.create(
         model=models[0].id, prompt="def f(x):", max_tokens=12, temperature=0, stream=True))
     assert streamed == done.choices[0].text
+    ranked = client.completions.create(model=models[0].id, prompt="def f(x):", max_tokens=6, temperature=0,
+                                       logprobs=3).choices[0].logprobs
+    assert len(ranked.top_logprobs) == len(ranked.tokens) == 6
+    for token, logprob, top in zip(ranked.tokens, ranked.token_logprobs, ranked.top_logprobs):
+        values = list(top.values())
+        assert 1 <= len(top) <= 3 and values == sorted(values, reverse=True)
+        assert top[token] == pytest.approx(logprob) == pytest.approx(values[0])  # greedy: the best one was taken
     echo = client.completions.create(model=models[0].id, prompt="def f(x):", max_tokens=4, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("def f(x):")
     messages = [{"role": "user", "content": "write a loop"}]

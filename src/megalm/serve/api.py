@@ -242,9 +242,10 @@ class Server:
 
     # -- OpenAI ------------------------------------------------------------------------------------
     def _sampling(self, max_tokens: int, temperature: float, top_p: float, stop: List[str], seed: Optional[int],
-                  j: int, prompt_logprobs: bool = False) -> Sampling:
+                  j: int, prompt_logprobs: bool = False, top_logprobs: int = 0) -> Sampling:
         return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
-                        seed=None if seed is None else seed + j, prompt_logprobs=prompt_logprobs)
+                        seed=None if seed is None else seed + j, prompt_logprobs=prompt_logprobs,
+                        top_logprobs=top_logprobs)
 
     async def completions(self, body: CompletionRequest):
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
@@ -258,7 +259,8 @@ class Server:
             self._check_room(ids, body.max_tokens, "max_tokens")
         jobs = [(i * body.n + j, p, ids) for i, (p, ids) in enumerate(zip(prompts, encoded)) for j in range(body.n)]
         started = self._start_all((ids, self._sampling(body.max_tokens, body.temperature, body.top_p, stops, body.seed,
-                                                       index % body.n, body.echo and body.logprobs is not None))
+                                                       index % body.n, body.echo and body.logprobs is not None,
+                                                       body.logprobs or 0))
                                   for index, _, ids in jobs)
         cid, model = f"cmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
         if body.stream:
@@ -279,7 +281,9 @@ class Server:
                                               "total_tokens": prompt_tokens + completion_tokens}}
 
     def _openai_logprobs(self, req: Request, echoed: Optional[str]) -> Dict[str, Any]:
-        """The legacy completions logprobs object: each token, its log-probability, its offset in the text."""
+        """The legacy completions logprobs object: each token, its log-probability, its offset in the text, and
+        (logprobs=n > 0) each generated token's step's n most likely tokens, {text: log-probability} (an echoed
+        prompt's tokens get None there: the server does not rank what it did not sample)."""
         tokens = ([self.tok.decode([t]) for t in req.prompt[1:]] if echoed is not None else []) + \
             [self.tok.decode([t]) for t in req.tokens]
         values = (list(req.prompt_logprobs) if echoed is not None else []) + list(req.logprobs)
@@ -287,7 +291,11 @@ class Server:
         for t in tokens:
             offsets.append(at)
             at += len(t)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": None, "text_offset": offsets}
+        top = None
+        if req.sampling.top_logprobs:
+            ranked = [{self.tok.decode([t]): lp for t, lp in step} for step in req.top_logprobs]
+            top = ([None] * (len(req.prompt) - 1) if echoed is not None else []) + ranked
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
     async def _stream_completions(self, cid, model, jobs, started, echo: bool) -> AsyncIterator[str]:
         try:

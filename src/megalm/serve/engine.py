@@ -28,7 +28,7 @@ import collections
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Deque, Dict, List, Optional, Sequence
+from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -56,6 +56,8 @@ class Sampling:
     """End at the end-of-document token (not part of the text)."""
     prompt_logprobs: bool = False
     """Also report the log-probability of each prompt token after the first (echo / Megatron's logprobs)."""
+    top_logprobs: int = 0
+    """Also report, for each generated token, the n most likely tokens of its step and their log-probabilities."""
 
 
 @dataclass
@@ -66,6 +68,8 @@ class Request:
     tokens: List[int] = field(default_factory=list)
     logprobs: List[float] = field(default_factory=list)
     prompt_logprobs: List[float] = field(default_factory=list)
+    top_logprobs: List[List[Tuple[int, float]]] = field(default_factory=list)
+    """Per generated token (Sampling.top_logprobs > 0): its step's most likely (token, log-probability), best first."""
     text: str = ""
     slot: int = -1
     generator: Optional[torch.Generator] = None
@@ -312,11 +316,15 @@ class Engine:
         allowed = logits if self.tokens >= len(logits) else logits.clone().index_fill_(
             0, torch.arange(self.tokens, len(logits), device=logits.device), float("-inf"))
         token = int(sample_next(allowed[None], sp.temperature, sp.top_k, sp.top_p, r.generator)[0])
-        logprob = float(torch.log_softmax(logits, dim=-1)[token])
+        logp = torch.log_softmax(logits, dim=-1)
+        logprob = float(logp[token])
         if sp.stop_at_eod and token == self.stop_token:
             return self._finish(r, "stop")
         r.tokens.append(token)
         r.logprobs.append(logprob)
+        if sp.top_logprobs:
+            values, ids = logp[:self.tokens].topk(min(sp.top_logprobs, self.tokens))  # real tokens only
+            r.top_logprobs.append(list(zip(ids.tolist(), values.tolist())))
         text = self.tokenizer.decode(r.tokens)
         cut = [text.find(s) for s in sp.stop if s and s in text]
         if cut:
