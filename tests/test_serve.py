@@ -322,6 +322,20 @@ def test_playground_streams_a_completion_in_a_real_browser(server, alone, tmp_pa
         driver.quit()
 
 
+def test_a_port_in_use_is_named_before_anything_loads(tmp_path, capsys):
+    import socket
+    from megalm.serve import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as stop:
+            main([str(tmp_path / "no_run"), "--port", str(port)])
+    err = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and err.startswith(f"megalm.serve: invalid config: --host 127.0.0.1 --port {port}: "
+                                                   "cannot listen there (Address already in use)"), err
+
+
 @pytest.mark.parametrize("port", ["-1", "65536"])
 def test_a_port_out_of_range_is_named_before_anything_loads(tmp_path, capsys, port):
     """--port -1 is one line naming it (not uvicorn's OverflowError), said before the run is looked for."""

@@ -46,6 +46,21 @@ def _check(cfg, run_dir, layout: bool = False) -> None:
                           + (" with a fine-tuning head" if arch == "gpt" else ""))
 
 
+def _check_address(host: str, port: int) -> None:
+    """Bind host:port once and let it go: an address in use (or not this machine's) is said before the model loads,
+    not by the HTTP server after it."""
+    import socket
+    if port == 0:
+        return
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no obstacle
+            sock.bind((host, port))
+    except OSError as e:
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e}); choose another port "
+                          "(0: any free one) or a host address of this machine") from None
+
+
 def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int = 64, seed: int = 0,
           name: Optional[str] = None, tp: int = 1, pp: int = 1):
     """(FastAPI app, Engine) for the run, on this process (tp x pp = 1) or as rank 0 of a layout whose
@@ -119,6 +134,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         from megalm.generate import _resolve_device
         if not 0 <= args.port <= 65535:
             raise ConfigError(f"--port {args.port} must be 0 to 65535 (0: any free port)")
+        _check_address(args.host, args.port)
         if args.tp < 1 or args.pp < 1:
             raise ConfigError(f"--tp {args.tp} and --pp {args.pp} must be at least 1")
         options = dict(device=_resolve_device(args.device), slots=args.slots, max_queue=args.max_queue,
