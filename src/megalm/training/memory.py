@@ -63,8 +63,10 @@ def check_host_memory(cfg, params_on_rank: int, dp: int, device: torch.device) -
     """Refuse, before any allocation, a CPU run whose model state alone (weights, gradients, optimizer state:
     `expected_bytes_per_param`) on this machine's ranks is more than the machine has free; activations come on
     top, so passing says nothing about fitting. (GPU memory is the device's to refuse.)"""
+    if device.type != "cpu":
+        return
     free = free_host_memory()
-    if device.type != "cpu" or free is None:
+    if free is None:
         return
     o = cfg.optimizer
     moments = 2 if o.name == "adamw" else (1 if o.momentum else 0)

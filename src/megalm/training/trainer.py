@@ -71,6 +71,7 @@ class Trainer:
         self.dp_size = mesh["dp"].size() if mesh is not None else 1
         dp_rank, dp_size = self.dp_rank, self.dp_size
         self.step = 0
+        self._first_step: Optional[int] = None  # the step fit() starts from (_diverged's first-step case)
         self.loader = MicroBatchLoader(data.train, micro_batch_size=cfg.micro_batch_size,
                                        global_batch_size=cfg.global_batch_size, dp_rank=dp_rank, dp_size=dp_size)
         if prefetch > 0:
@@ -245,7 +246,7 @@ class Trainer:
                 f"or use trainer.precision=bf16; {self._kept()}")
 
     def _diverged(self, norm: float, loss: float) -> None:
-        if not math.isfinite(loss) and self.step == getattr(self, "_first_step", None):
+        if not math.isfinite(loss) and self.step == self._first_step:
             # Not a divergence: the model's first forward, before any update here, is already non-finite.
             raise TrainingError(
                 f"step {self.step + 1}: the loss is {loss} at this run's first step, before any update, in "
