@@ -33,8 +33,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from megalm.config import ModelConfig, OptimizerConfig, TrainerConfig, conf_dir, model_config_from
-from megalm.models import build_model, flops_per_token, init_weights, lm_loss
+from megalm.config import ModelConfig, OptimizerConfig, TrainerConfig, conf_dir
+from megalm.models.registry import model_config_from
+from megalm.models import build_model, family_of, flops_per_token, init_weights
+from megalm.models.losses import lm_loss
 from megalm.models.layers import MLP, AttentionCore
 from megalm.training.compiling import apply_compile
 from megalm.training.cpu_memory import CHOICES as CPU_ALLOCATORS, apply_cpu_allocator
@@ -197,7 +199,7 @@ def main(argv=None) -> dict:
                 if isinstance(module, MLP):
                     module.forward = types.MethodType(_mlp_on_aten_gelu, module)
         if "compiled" in mode:  # HF's user compiles the whole model; megalm's option picks the granularity
-            apply_compile(m_model, "blocks" if mode == "compiled-blocks" else "model", "inductor", "cpu")
+            apply_compile(m_model, family_of(m_model.cfg.arch).parts, "blocks" if mode == "compiled-blocks" else "model", "inductor", "cpu")
             h_model.compile()
         amp = mode.startswith("bf16")
         # Both losses go through lm_loss, so the step differs only in model code.

@@ -7,7 +7,7 @@
 For each vocabulary and precision, every path runs forward + backward on the same head input (tokens, hidden)
 and head weight (vocab, hidden), the order rotating each round: "unfused" is what the GPT model runs with
 model.fused_loss=false (the head's matmul, then LMLoss: fp32 logits and F.cross_entropy); "in_forward" and
-"recompute" are LMLoss.from_hidden (megalm.models.fused_loss) with `--chunk` tokens a chunk and that
+"recompute" are LMLoss.from_hidden (megalm.ops.fused_loss) with `--chunk` tokens a chunk and that
 model.fused_loss_backward. bf16 runs under autocast, as trainer.precision=bf16 does. Ratios are against
 "unfused".
 
@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from megalm.models.fused_loss import BACKWARDS  # noqa: E402
+from megalm.ops.fused_loss import BACKWARDS  # noqa: E402
 from megalm.models.losses import LMLoss  # noqa: E402
 
 MB = 2 ** 20

@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from megalm.config import OptimizerConfig, conf_dir, model_config_from
-from megalm.models import build_model, init_weights, lm_loss
+from megalm.config import OptimizerConfig, conf_dir
+from megalm.models.registry import model_config_from
+from megalm.models import build_model, init_weights
+from megalm.models.losses import lm_loss
 from megalm.training.optim import build_optimizer, kernel_options, param_groups
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -56,7 +58,7 @@ def model_config(name: str):
 def hf_model(cfg):
     """MixtralForCausalLM of cfg's shape (megalm's own export config), its experts run one by one."""
     import transformers
-    from megalm.models.gpt_hf import hf_config
+    from megalm.models.gpt.hf import hf_config
     hf_cfg = transformers.MixtralConfig(**{k: v for k, v in hf_config(cfg, "mixtral").items()
                                            if k not in ("architectures", "model_type", "dtype")})
     return transformers.MixtralForCausalLM(hf_cfg).float()

@@ -35,7 +35,8 @@ def main(argv=None) -> int:
 
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.models import build_model, init_weights
     from megalm.training.optim import build_optimizer
     register_configs()

@@ -64,7 +64,8 @@ QUICK = dict(layers=4, hidden=64, heads=4, seq=32, vocab=512, micro_batch=2, m=[
 def compose_cfg(args, parallel):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()  # the schemas the presets extend (the ranks register them at start-up too)
     over = [f"model={args.model}", f"model.num_layers={args.layers}", "data=mock"]  # batches are drawn here
     for key, val in (("hidden_size", args.hidden), ("num_attention_heads", args.heads),
@@ -111,7 +112,7 @@ def build_layout(args, schedule, world):
     """One model per schedule on this rank, and a Pipeline for each m over it."""
     from megalm.validation import validate
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
+    from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.parallel.pipeline import build_pipeline
     from megalm.training.optim import build_optimizer
@@ -122,12 +123,12 @@ def build_layout(args, schedule, world):
     validate(cfg, world)
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
     pipes = {}
     for m in args.m:
-        pipe = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel, m, "cpu")
+        pipe = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel, m, "cpu")
         sends, clock = Counter(), [0.0]
         for stage in pipe.stages:
             count_sends(stage, sends)
@@ -245,7 +246,7 @@ def worker(rank, world, store_path, args, queue):
 
 
 def _worker(rank, world, store_path, args):
-    from megalm.config import register_configs
+    from megalm.models.registry import register_configs
     from megalm.models import build_model, init_weights
     from megalm.training.cpu_memory import apply_cpu_allocator
     from megalm.training.optim import build_optimizer

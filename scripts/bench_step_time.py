@@ -47,11 +47,11 @@ def build_trainer(overrides, max_steps: int, run_dir: Path):
     """The Trainer megalm.train would build in one process (no checkpoints, no metrics written)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import family_of, register_configs
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
     from megalm.launch import resolve_device
     from megalm.models import build_model, flops_per_token, init_weights
-    from megalm.models.family import family_of
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.metrics import Throughput
@@ -74,10 +74,10 @@ def build_trainer(overrides, max_steps: int, run_dir: Path):
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, 0, 0),
                       samples=family.samples(cfg.model) if family.samples is not None else None)
     model = build_model(cfg.model, device="meta")
-    layout = parallelize(model, None, cfg.parallel, seed=t.seed)
+    layout = parallelize(model, family_of(model.cfg.arch), None, cfg.parallel, seed=t.seed)
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)
-    trainer = Trainer(t, model=model, optimizer=build_optimizer(cfg.optimizer, model, None),
+    trainer = Trainer(t, model=model, family=family, optimizer=build_optimizer(cfg.optimizer, model, None),
                       schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
                       checkpointer=Checkpointer(cfg.checkpoint, run_dir), layout=layout,
                       throughput=Throughput(flops_per_token(cfg.model), 1.0, 1), device=device, run_dir=run_dir)

@@ -24,11 +24,11 @@ import torch.multiprocessing as mp
 
 
 def build(cfg, mesh):
-    from megalm.models import build_model, init_weights
+    from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.optim import build_optimizer
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
     return model, layout, build_optimizer(cfg.optimizer, model)
@@ -50,7 +50,8 @@ def train_steps(model, layout, opt, batch, steps, mesh=None):
 def worker(rank, world, store_path, args, queue):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.distributed.comm import count_comm
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import flops_per_token

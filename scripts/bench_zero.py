@@ -31,7 +31,8 @@ STAGES = (0, 1, 2, 3)
 def config(model: str, *overrides: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         return OmegaConf.to_object(compose("config", overrides=[f"model={model}", "trainer.micro_batch_size=4",
@@ -39,15 +40,14 @@ def config(model: str, *overrides: str):
 
 
 def build(cfg, mesh):
-    from megalm.models import build_model, init_weights
-    from megalm.parallel import materialize, parallelize
-    from megalm.parallel.data import build_data_parallel
+    from megalm.models import build_model, family_of, init_weights
+    from megalm.parallel import build_data_parallel, materialize, parallelize
     from megalm.training.optim import build_optimizer
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     return model, dp, build_optimizer(cfg.optimizer, model, dp)
 
 

@@ -14,7 +14,8 @@ import functools
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megalm.config import conf_dir, register_configs
+from megalm.config import conf_dir
+from megalm.models.registry import register_configs
 
 register_configs()
 

@@ -20,7 +20,7 @@ def _rank_processes_end_with_the_session():
 
 @pytest.fixture
 def tiny_model_cfg():
-    from megalm.models.gpt import GPTConfig
+    from megalm.models.gpt.config import GPTConfig
     return GPTConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                        vocab_size=100, make_vocab_size_divisible_by=8)
 

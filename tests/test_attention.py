@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalm.models import KVCache, build_model, init_weights
-from megalm.models.gpt import GPTConfig
-from megalm.models.layers import CAUSAL_SPLIT_MIN, AttentionCore, attention_backend, unfused_attention
+from megalm.models.layers import AttentionCore, KVCache
+from megalm.models import build_model, init_weights
+from megalm.models.gpt.config import GPTConfig
+from megalm.ops.attention import CAUSAL_SPLIT_MIN, attention_backend, unfused_attention
 
 
 def _qkv(B=2, H=4, T=6, S=6, hd=8, seed=0):
@@ -191,7 +192,7 @@ def test_gpt_trains_and_decodes_alike(variant):
 
 
 def test_bert_and_t5_alike():
-    from megalm.models.bert import BertConfig
+    from megalm.models.bert.config import BertConfig
     from test_t5 import batch, tiny
     bert_cfg = BertConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=64, make_vocab_size_divisible_by=8)

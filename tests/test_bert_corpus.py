@@ -18,12 +18,11 @@ import pytest
 import torch
 
 from megalm.config import DataConfig, TokenizerConfig
-from megalm.data import IndexedDataset, build_data, build_tokenizer
-from megalm.data import preprocess as pp
+from megalm.data import IndexedDataset, build_data, build_tokenizer, preprocess as pp
 from megalm.data.bert_dataset import BertDataset, BertSamples, bert_specials, continuing_pieces
 from megalm.data.corpora import StdlibDocstrings, stdlib_corpus
 from megalm.errors import DataError
-from megalm.models.losses import IGNORE
+from megalm.ops.losses import IGNORE
 
 SEQ = 64
 

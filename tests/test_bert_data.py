@@ -15,7 +15,7 @@ import torch
 
 from megalm.data.bert_dataset import MockBertDataset, Specials, bert_sample
 from megalm.data.tokenizer import NullTokenizer
-from megalm.models.losses import IGNORE
+from megalm.ops.losses import IGNORE
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3
 VOCAB = 120
@@ -123,7 +123,7 @@ def test_padding_does_not_reach_real_tokens(norm_position):
     """Bidirectional attention reads only the keys the padding mask keeps: what stands in the
     padded positions changes nothing at the real ones; unmasked, it would."""
     from megalm.models import build_model, init_weights
-    from megalm.models.bert import BertConfig
+    from megalm.models.bert.config import BertConfig
     cfg = BertConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64,
                      make_vocab_size_divisible_by=8, norm_position=norm_position)
     model = build_model(cfg)

@@ -271,7 +271,7 @@ def test_async_save_writes_the_sync_checkpoint_and_resumes_the_same_curve(tmp_pa
 
 
 def test_async_save_keeps_the_state_of_its_step_while_training_changes_it(tmp_path):
-    from megalm.models.gpt import GPTConfig
+    from megalm.models.gpt.config import GPTConfig
     from megalm.models import build_model, init_weights
     cfg = GPTConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16, vocab_size=64)
     model = build_model(cfg)

@@ -6,7 +6,7 @@ model) and by arbitrary flat ranges (as ZeRO buckets cut parameters)."""
 import pytest
 import torch
 
-from megalm.parallel.tensor import TPShard
+from megalm.distributed.shards import TPShard
 from megalm.training.chunks import place
 
 CASES = [  # (padded global shape, tp dim, segments, real rows)

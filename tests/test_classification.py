@@ -396,7 +396,8 @@ def test_evaluate_classify_scores_gpt_and_multiple_choice_runs(runs, choices, se
         assert got["examples"] == len(examples) and got["accuracy"] == right / len(examples), head
     with pytest.raises(ConfigError, match="fine-tuned scorer .* classify task"):
         evaluate(root / "gpt_labels" / "single", "perplexity", sentiment[1])
-    from megalm.generate import check_generates, load_run_config  # nor does it sample its class scores as text
+    from megalm.generate import check_generates  # nor does it sample its class scores as text
+    from megalm.models.registry import load_run_config
     run = root / "gpt_labels" / "single"
     with pytest.raises(ConfigError, match=f"{run} is a fine-tuned scorer with no language-model head: megalm.generate "
                                           f"samples text .*; score it with `python -m megalm.evaluate {run} classify"):

@@ -8,7 +8,8 @@ import pytest
 
 def _tiny():
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, model_config_from
+    from megalm.config import conf_dir
+    from megalm.models.registry import model_config_from
     from megalm.models import build_model
     cfg = model_config_from(OmegaConf.load(f"{conf_dir()}/model/gpt_tiny.yaml"))
     return build_model(cfg, "cpu")
@@ -16,12 +17,13 @@ def _tiny():
 
 def test_inductor_without_a_cxx_compiler_runs_eagerly_and_says_why(monkeypatch, tmp_path, caplog):
     """On CPU inductor writes C++; with no compiler on PATH the run goes on eagerly with a warning."""
+    from megalm.models import family_of
     from megalm.training.compiling import apply_compile
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no g++, no c++
     monkeypatch.delenv("CXX", raising=False)
     model = _tiny()
     with caplog.at_level(logging.WARNING, logger="megalm.training.compiling"):
-        assert apply_compile(model, "blocks", "inductor", "cpu") == 0
+        assert apply_compile(model, family_of(model.cfg.arch).parts, "blocks", "inductor", "cpu") == 0
     assert "no compiler" in caplog.text and "eagerly" in caplog.text
     assert all(getattr(b, "_compiled_call_impl", None) is None for b in model.blocks.values())
 
@@ -29,9 +31,10 @@ def test_inductor_without_a_cxx_compiler_runs_eagerly_and_says_why(monkeypatch, 
 @pytest.mark.parametrize("mode,compiled", [("none", 0), ("model", 1), ("blocks", 2)])
 def test_granularity_picks_the_modules(mode, compiled):
     """model: the whole model (one module); blocks: each transformer block (gpt_tiny has 2)."""
+    from megalm.models import family_of
     from megalm.training.compiling import apply_compile
     model = _tiny()
-    assert apply_compile(model, mode, "aot_eager", "cpu") == compiled
+    assert apply_compile(model, family_of(model.cfg.arch).parts, mode, "aot_eager", "cpu") == compiled
     targets = [model] if mode == "model" else list(model.blocks.values()) if mode == "blocks" else []
     assert all(t._compiled_call_impl is not None for t in targets)
     assert sum(m._compiled_call_impl is not None for m in model.modules()) == compiled

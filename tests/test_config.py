@@ -4,7 +4,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megalm.config import conf_dir, register_configs
+from megalm.config import conf_dir
+from megalm.models.registry import register_configs
 from megalm.validation import reject_unknown_keys, validate
 from megalm.launch import plan_world, ranks_needed
 
@@ -53,7 +54,7 @@ def test_every_yaml_composes_and_validates(group, name):
 
 @pytest.mark.parametrize("name", group_files("model"))
 def test_every_model_preset_is_typed_by_its_family_schema(name, tmp_path):
-    from megalm.config import load_config
+    from megalm.models.registry import load_config
     from megalm.models import family_of
     cfg = load(f"model={name}", *EXTRA.get(("model", name), []))
     assert type(cfg.model) is family_of(cfg.model.arch).config

@@ -92,9 +92,9 @@ def _ring_volume(rank, world, tp):
     from megalm.parallel.context import weighted_loss
     cp = world // tp
     cfg = load(*BASE, *LLAMA, f"parallel.cp={cp}", f"parallel.tp={tp}", f"parallel.sequence_parallel={tp > 1}")
-    _, model, _ = parallel_model(cfg, world)
+    _, model, layout = parallel_model(cfg, world)
     data = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=0)
-    batch = model.context.split(data.batch(collate([data.train[i] for i in range(2)])))
+    batch = layout.context.split(data.batch(collate([data.train[i] for i in range(2)])))
     with count_comm() as stats:
         weighted_loss(model.loss(model(batch["tokens"]), batch), batch).backward()
     return stats.bytes.get("ring", 0), cfg.model.num_layers, cfg.model.kv_heads, cfg.model.head_dim

@@ -312,7 +312,8 @@ def _compose(overrides, model_yaml):
     """The run config, with the model the import wrote (as --config-dir DIR model=NAME gives)."""
     from hydra import compose, initialize_config_dir
 
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg = OmegaConf.to_object(compose("config", overrides=list(overrides)))
@@ -446,7 +447,7 @@ def test_bert_import_matches_transformers_and_round_trips(tmp_path, hidden_act):
 
 
 def test_bert_export_refuses_the_pre_ln_layout():
-    from megalm.models.bert import BertConfig
+    from megalm.models.bert.config import BertConfig
     cfg = BertConfig(name="b", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=T, vocab_size=V)
     with pytest.raises(UnsupportedArchitecture, match=r"model.norm_position='pre' cannot be represented as "
                                                       r"BertForPreTraining.*allowed: 'post'"):
@@ -501,7 +502,7 @@ def test_t5_import_matches_transformers_and_round_trips(tmp_path, proj, tied):
 def test_t5_trained_by_megalm_exports_with_its_logits(tmp_path):
     """A megalm T5 in Hugging Face's layout (relative buckets, RMSNorm, no biases), its weights drawn by
     megalm: the export gives transformers the same logits."""
-    from megalm.models.t5 import T5Config
+    from megalm.models.t5.config import T5Config
     cfg = T5Config(name="t5_hf", num_layers=5, encoder_num_layers=3, hidden_size=32, num_attention_heads=4,
                    seq_length=T, decoder_seq_length=8, vocab_size=V, make_vocab_size_divisible_by=8,
                    position_embedding="relative", normalization="rmsnorm", bias=False, head_bias=False,
@@ -526,7 +527,7 @@ def test_t5_trained_by_megalm_exports_with_its_logits(tmp_path):
 
 
 def test_t5_export_refuses_megatrons_layout():
-    from megalm.models.t5 import T5Config
+    from megalm.models.t5.config import T5Config
     cfg = T5Config(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=T, vocab_size=V)
     with pytest.raises(UnsupportedArchitecture, match=r"model.position_embedding='learned' cannot be represented as "
                                                       r"T5ForConditionalGeneration.*allowed: 'relative'"):

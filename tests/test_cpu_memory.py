@@ -67,7 +67,8 @@ def test_a_cpu_training_run_applies_its_choice(tmp_path, monkeypatch):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.train import run
 
     register_configs()

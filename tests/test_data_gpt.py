@@ -14,8 +14,7 @@ import torch
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, MicroBatchLoader,
                          build_data, build_gpt_indices, eod_loss_mask, num_samples_for, parse_blend)
-from megalm.data import cache as cache_module
-from megalm.data import gpt_dataset as gpt_module
+from megalm.data import cache as cache_module, gpt_dataset as gpt_module
 from megalm.data.blended import blending_indices, blending_indices_reference, per_dataset_samples
 from megalm.data.loader import DataExhaustedError, blend_spec
 
@@ -284,7 +283,8 @@ def test_blend_from_yaml_and_the_hydra_cli():
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         nested = compose("config", overrides=["data=indexed", "data.blend=[[0.3,/data/a_text_document],"

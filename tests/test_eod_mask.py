@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import build_data, eod_loss_mask
 from megalm.models import build_model, init_weights
-from megalm.models.losses import IGNORE
+from megalm.ops.losses import IGNORE
 
 from test_parallel_model import load
 

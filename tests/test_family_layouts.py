@@ -39,9 +39,8 @@ def _train(world, overrides, out_dir):
     from megalm.data import DataBundle
     from megalm.data.tokenizer import NullTokenizer
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
-    from megalm.parallel import materialize, parallelize
-    from megalm.parallel.data import build_data_parallel
+    from megalm.models import build_model, family_of, init_weights
+    from megalm.parallel import build_data_parallel, materialize, parallelize
     from megalm.parallel.pipeline import build_pipeline
     from megalm.config import CheckpointConfig
     from megalm.training.checkpoint import Checkpointer
@@ -57,19 +56,19 @@ def _train(world, overrides, out_dir):
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = build_mesh(dims, "cpu") if world > 1 else None  # the single process: no mesh at all
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel, seed=t.seed)
     materialize(model, "cpu")
     init_weights(model, cfg.model, t.seed)
     pipeline = None
     if dims.pp > 1:
-        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
+        pipeline = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), "cpu")
-    dp = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     samples = toy_family.Samples(cfg.model.vocab_size, cfg.model.seq_length)
     data = DataBundle(NullTokenizer(cfg.model.vocab_size), samples, samples)
     checkpointer = Checkpointer(CheckpointConfig(dir=str(out_dir)), Path(out_dir),
                                 mesh["tp"].get_group() if mesh is not None else None)
-    trainer = Trainer(t, model=model, optimizer=build_optimizer(cfg.optimizer, model, dp),
+    trainer = Trainer(t, model=model, family=family_of(model.cfg.arch), optimizer=build_optimizer(cfg.optimizer, model, dp),
                       schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data, checkpointer=checkpointer,
                       throughput=Throughput(1.0, 1e12, world), device=torch.device("cpu"), mesh=mesh,
                       layout=layout, pipeline=pipeline, data_parallel=dp)

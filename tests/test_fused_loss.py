@@ -13,9 +13,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from megalm.models import build_model, init_weights
-from megalm.models.fused_loss import linear_cross_entropy
-from megalm.models.gpt import GPTConfig
-from megalm.models.losses import IGNORE, LMLoss
+from megalm.ops.fused_loss import linear_cross_entropy
+from megalm.models.gpt.config import GPTConfig
+from megalm.ops.losses import IGNORE
+from megalm.models.losses import LMLoss
 
 B, T, H = 3, 7, 16  # 21 tokens: chunks of 5 leave a last chunk of 1
 V, PADDED = 50, 56

@@ -41,7 +41,8 @@ RUNS = {
 def _load(overrides, world):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.validation import validate
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):

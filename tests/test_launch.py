@@ -26,7 +26,8 @@ def _fail_on_rank_1(cfg, run_dir):
 def test_a_failing_rank_stops_the_job_with_its_traceback(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg: Config = OmegaConf.to_object(compose("config", overrides=["model=gpt_tiny"]))
@@ -100,7 +101,8 @@ def _rank_1_dies_once(cfg, run_dir):
 def test_elastic_restart_resumes_from_the_last_checkpoint(tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.train import run
     register_configs()
     common = ["model=gpt_tiny", "data=mock", "trainer.max_steps=5", "trainer.micro_batch_size=4",

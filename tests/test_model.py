@@ -4,8 +4,10 @@ import math
 import pytest
 import torch
 
-from megalm.models.gpt import GPTConfig
-from megalm.models import KVCache, build_model, flops_per_token, init_weights, matmul_params
+from megalm.models.gpt.config import GPTConfig
+from megalm.models.layers import KVCache
+from megalm.models import build_model, flops_per_token, init_weights
+from megalm.models.flops import matmul_params
 from megalm.parallel import materialize
 
 VARIANTS = {
@@ -153,7 +155,7 @@ def test_flops_gpt3_175b_matches_paper_scale():
 
 
 def test_ignored_labels_take_no_part_in_the_loss(tiny_model_cfg):
-    from megalm.models.losses import IGNORE
+    from megalm.ops.losses import IGNORE
     m = make(tiny_model_cfg)
     x = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))
     y = torch.randint(0, tiny_model_cfg.vocab_size, (2, 8))

@@ -213,11 +213,11 @@ def test_inductor_compiled_blocks_train_like_eager(single, tmp_path):
 def parallel_model(cfg, world: int):
     """On a rank: (mesh, this rank's model at cfg.parallel, its layout), initialised as training does."""
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
+    from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import materialize, parallelize
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
     return mesh, model, layout
@@ -246,11 +246,12 @@ def _compiled_tp_dropout(rank, world, cases):
     weights (the norms) after two training micro-batches, as this rank has them."""
     import torch._dynamo
     from megalm.parallel.grads import finalize_grads
+    from megalm.models import family_of
     from megalm.training.compiling import apply_compile, compile_stats
     out = []
     for cfg in cases:
         mesh, model, layout = parallel_model(cfg, world)
-        apply_compile(model, "model", "aot_eager", "cpu")
+        apply_compile(model, family_of(model.cfg.arch).parts, "model", "aot_eager", "cpu")
         before = compile_stats()
         torch.manual_seed(1)  # the default generator, alike on every rank as training seeds it
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=torch.Generator().manual_seed(0))

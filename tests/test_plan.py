@@ -51,12 +51,12 @@ def _held(rank, world, overrides):
     import torch
     from test_parallel_model import load
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model
+    from megalm.models import build_model, family_of
     from megalm.parallel import materialize, parallelize
     cfg = load(*overrides)
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
     model = build_model(cfg.model, device="meta")
-    parallelize(model, mesh, cfg.parallel, seed=0)
+    parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel, seed=0)
     materialize(model, torch.device("cpu"))
     return sum(p.numel() for p in model.parameters())
 
@@ -239,7 +239,7 @@ def _vocab_parallel_case(rank, world, overrides):
     import torch
     from megalm.models import build_model
     from megalm.parallel.tensor import vocab_parallel_cross_entropy
-    from megalm.parallel.tp_plan import VocabParallelLMLoss
+    from megalm.parallel.styles import VocabParallelLMLoss
     from megalm.plan.formulas import loss_traffic_bytes
     import torch.distributed as dist
     out = []

@@ -197,19 +197,19 @@ def measure(cfg, world: int) -> int:
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = build_mesh(dims, "cpu")
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel, seed=cfg.trainer.seed)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel, seed=cfg.trainer.seed)
     materialize(model, torch.device("cpu"))
     init_weights(model, cfg.model, cfg.trainer.seed)
     model.train()
     t = cfg.trainer
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
     micro = _micro_batches(cfg, m)
-    if getattr(model, "context", None) is not None:  # context parallelism: the rank's chunks, as the trainer splits
-        micro = [model.context.split(mb) for mb in micro]
+    if layout.context is not None:  # context parallelism: the rank's chunks, as the trainer splits
+        micro = [layout.context.split(mb) for mb in micro]
     inputs = family_of(cfg.model.arch).inputs
     pipeline = None
     if layout.pipelined:
-        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel, m, torch.device("cpu"))
+        pipeline = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel, m, torch.device("cpu"))
         joined = {k: torch.cat([mb[k] for mb in micro]) for k in micro[0]}
 
     def step():
@@ -312,16 +312,21 @@ def _ring_attention_saved(cfg, cp: int, rank: int) -> int:
     weights (and autocast's copies of them) and the RoPE tables aside."""
     import torch
     import torch.distributed as dist
+    from torch import nn
     from torch.testing._internal.distributed.fake_pg import FakeStore
+    from megalm.models.gpt.parallelize import cp_plan
     from megalm.models.layers import Attention, rope_tables
-    from megalm.parallel.context import ContextParallel, apply_context_parallel
+    from megalm.parallel.context import ContextParallel, CPContext
+    from megalm.parallel.styles import apply_plan
     from megalm.parallel.recompute import recompute_forward
     from megalm.training.precision import autocast
     m, t = cfg.model, cfg.trainer
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=cp)
     try:
-        attn = Attention(m, 0)
-        apply_context_parallel(attn, ContextParallel(dist.group.WORLD, rank, cp))
+        attn = nn.ModuleDict({"attn": Attention(m, 0)})  # named as in a GPT block, for GPT's cp plan
+        apply_plan(attn, [(pattern[len("blocks.*."):], style) for pattern, style in cp_plan(m)
+                          if pattern.startswith("blocks.*.attn")], CPContext(ContextParallel(dist.group.WORLD, rank, cp)))
+        attn = attn["attn"]
         if cfg.parallel.recompute == "selective":
             recompute_forward(attn.core)
         attn.train()
@@ -387,8 +392,11 @@ def _moe_layer_saved(cfg) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megalm.distributed import comm
+    from torch import nn
+    from megalm.models.gpt.parallelize import expert_plan
     from megalm.models.moe import MoE
-    from megalm.parallel.experts import apply_expert_parallel, split_experts
+    from megalm.parallel.experts import ExpertContext
+    from megalm.parallel.styles import apply_plan
     from megalm.training.precision import autocast
     p, m, t = cfg.parallel, cfg.model, cfg.trainer
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=max(p.ep, p.tp * p.cp))
@@ -408,13 +416,11 @@ def _moe_layer_saved(cfg) -> int:
         torch.manual_seed(0)
         layer = MoE(m).train()
         group = dist.group.WORLD
-        if p.ep > 1:
-            apply_expert_parallel(layer, group)
-        if p.tp > 1 or p.cp > 1:  # megalm.parallel.experts.split_tokens
-            layer.token_group = group
-            layer.split_group = group if p.tp > 1 and not p.sequence_parallel else None
-            if p.expert_tp > 1:
-                split_experts(layer, group)
+        ctx = ExpertContext(ep_group=group if p.ep > 1 else None, tp_group=group if p.expert_tp > 1 else None,
+                            token_group=group if p.tp > 1 or p.cp > 1 else None,
+                            split_group=group if p.tp > 1 and not p.sequence_parallel else None, partial=p.tp > 1)
+        block = nn.ModuleDict({"mlp": layer})  # named as in a GPT block, for GPT's expert plan
+        apply_plan(block, [(pattern[len("blocks.*."):], style) for pattern, style in expert_plan(m)], ctx)
         with torch.no_grad():
             for q in layer.parameters():
                 q.normal_(0.0, 0.5)

@@ -120,8 +120,7 @@ def _step_on_this_rank(world, cfg):
     from megalm.distributed.comm import count_comm
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
-    from megalm.parallel import materialize, parallelize
-    from megalm.parallel.data import build_data_parallel
+    from megalm.parallel import build_data_parallel, materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.memory import measured_model_state_bytes
     from megalm.training.metrics import Throughput
@@ -136,18 +135,18 @@ def _step_on_this_rank(world, cfg):
                       num_samples=num_samples_for(2, t.global_batch_size, 0, 1),
                       samples=family.samples(cfg.model) if family.samples else None)
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel, seed=t.seed)
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)
     pipeline = None
     if dims.pp > 1:
         from megalm.parallel.pipeline import build_pipeline
-        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
+        pipeline = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
-    dp = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, dp)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = Trainer(t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, 2), data=data,
+        trainer = Trainer(t, model=model, family=family, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, 2), data=data,
                           checkpointer=Checkpointer(cfg.checkpoint, Path(tmp)), mesh=mesh, layout=layout,
                           pipeline=pipeline, data_parallel=dp, throughput=Throughput(1.0, 1.0, world), device=device)
         trainer.train_step()

@@ -195,14 +195,16 @@ def test_bad_qa_configs(bert_run, squad_files):
             validate(load(*base, *extra), 1)
     with pytest.raises(ConfigError, match="scores an extractive-QA run"):
         evaluate(bert_run, "squad", squad_files[1])
-    from megalm.generate import check_generates, load_run_config
+    from megalm.generate import check_generates
+    from megalm.models.registry import load_run_config
     with pytest.raises(ConfigError, match=rf"{bert_run} is an encoder \(model.arch=bert\) with no decoder to sample"):
         check_generates(load_run_config(bert_run), bert_run)
 
 
 def test_a_qa_run_is_pointed_at_the_squad_task(runs, squad_files):
     from megalm.evaluate import evaluate
-    from megalm.generate import check_generates, load_run_config
+    from megalm.generate import check_generates
+    from megalm.models.registry import load_run_config
     root, _ = runs
     with pytest.raises(ConfigError, match="fine-tuned scorer .* score it with the squad task"):
         evaluate(root / "single", "perplexity", squad_files[1])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megalm.config import ParallelConfig
-from megalm.models import build_model, init_weights
+from megalm.models import build_model, family_of, init_weights
 from megalm.parallel import materialize, parallelize
 
 from test_parallel_model import BASE, LLAMA, losses, run_layouts
@@ -14,7 +14,7 @@ from test_parallel_model import BASE, LLAMA, losses, run_layouts
 
 def _grads_and_saved_bytes(model_cfg, recompute, num_layers=None):
     model = build_model(model_cfg, "meta")
-    parallelize(model, None, ParallelConfig(recompute=recompute, recompute_num_layers=num_layers))
+    parallelize(model, family_of(model.cfg.arch), None, ParallelConfig(recompute=recompute, recompute_num_layers=num_layers))
     materialize(model, "cpu")
     init_weights(model, model_cfg, 0)
     x = torch.randint(0, model_cfg.vocab_size, (2, model_cfg.seq_length + 1), generator=torch.Generator().manual_seed(1))

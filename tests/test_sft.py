@@ -64,7 +64,7 @@ def test_samples_learn_the_response_and_its_end_only(run, sft_file):
     assert ids[:1 + sum(map(len, pieces)) + 1].tolist() == [tok.eod] + sum(pieces, []) + [tok.eod]
     assert tok.decode(ids[learned]) == tok.decode(tok.encode("yo;") + [tok.eod])
     sample = SFTDataset([(ids, learned)], "train", 1, 3)[2]
-    from megalm.models.losses import IGNORE
+    from megalm.ops.losses import IGNORE
     assert sample["tokens"].tolist() == ids[:-1].tolist()
     assert sample["labels"].tolist() == np.where(learned[1:], ids[1:], IGNORE).tolist()
     assert sample["loss_mask"].tolist() == learned[1:].astype(float).tolist()

@@ -48,7 +48,8 @@ def test_a_layout_sweep_runs_each_job_at_its_own_size_one_task_a_rank(tmp_path):
 
 def _compose(overrides):
     from hydra import compose, initialize_config_dir
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         return compose("config", overrides=list(overrides))

@@ -11,8 +11,10 @@ import torch
 
 from megalm.data.t5_dataset import MockT5Dataset, T5Specials, t5_sample, t5_specials
 from megalm.errors import ConfigError, DataError
-from megalm.models.losses import IGNORE
-from megalm.models.t5 import T5, T5Config, flops_per_token, init_weights, relative_buckets
+from megalm.ops.losses import IGNORE
+from megalm.models.t5.model import T5, relative_buckets
+from megalm.models.t5.config import T5Config
+from megalm.models.t5 import flops_per_token, init_weights
 
 from test_parallel_model import load
 
@@ -233,7 +235,7 @@ def test_greedy_generation_is_hugging_faces(tmp_path):
                                         vocab_size=96, use_cache=cache))
         assert got == want, cache
     # Greedy ids of a random model repeat themselves; the logits of every step match too.
-    from megalm.models import KVCache
+    from megalm.models.layers import KVCache
     with torch.no_grad():
         encoded = model.encode(torch.tensor([source]), torch.ones(1, len(source), dtype=torch.long))
         cache = KVCache(cfg.num_layers, 1, cfg.kv_heads, cfg.decoder_seq_length, cfg.head_dim)
@@ -265,7 +267,7 @@ def test_generation_stops_at_eos_and_the_decoder_length():
 def test_cached_decoding_equals_the_training_forward(positions):
     """The decoder over a KV cache, a chunk then a token at a time, gives the logits of one forward of
     the whole sequence (the training path): positions, the causal bias and the cached keys line up."""
-    from megalm.models import KVCache
+    from megalm.models.layers import KVCache
     cfg = tiny(position_embedding=positions, num_layers=5, encoder_num_layers=2, num_query_groups=2)
     model = model_of(cfg)
     tokens, padding, decoder = batch(cfg, B=2)
@@ -353,7 +355,8 @@ def _alone(run_dir, source, max_new_tokens):
 
 
 def test_generate_cli_reads_the_prompt_as_the_source(t5_run, capsys):
-    from megalm.generate import load_run_config, main
+    from megalm.models.registry import load_run_config
+    from megalm.generate import main
     main([str(t5_run), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", "6"])
     out, err = capsys.readouterr()
     assert "t5_tiny" in err and "source: '5 6 7 8'" in err

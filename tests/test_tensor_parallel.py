@@ -18,9 +18,9 @@ from distributed import run_ranks
 from megalm.distributed import comm
 from megalm.distributed.comm import count_comm, gather_seq, reduce_scatter_seq, copy_to_tp
 from megalm.parallel.random import TPRNG
-from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, TPShard,
-                                    VocabParallelEmbedding, full_from_shards,
+from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)
+from megalm.distributed.shards import TPShard, full_from_shards
 
 B, T, H, FFN = 2, 8, 16, 32
 QKV = (64, 16, 16)  # q, k, v of 4 query and 1 kv heads of 16 channels (GQA)
@@ -197,8 +197,9 @@ def _fused_ce_checks(rank, world, g, out):
     loss (recompute: the same calls; in forward: the same calls chunk by chunk, as many bytes in all). Then a
     vocabulary small enough that some ranks' shards are padding alone: they still join every collective."""
     from functools import partial
-    from megalm.models.losses import IGNORE, LMLoss
-    from megalm.parallel.tp_plan import VocabParallelLMLoss
+    from megalm.ops.losses import IGNORE
+    from megalm.models.losses import LMLoss
+    from megalm.parallel.styles import VocabParallelLMLoss
     per = PADDED // world
     edges = [k * per + d for k in range(world + 1) for d in (-1, 0) if 0 <= k * per + d < VOCAB]
     labels = torch.randint(0, VOCAB, (B * T,), generator=_gen(60))
@@ -397,7 +398,7 @@ def test_compiled_tp_dropout_keeps_each_ranks_share_of_one_draw():
     core's dropout on its probabilities (the unfused ops, which SDPA's own dropout cannot take)."""
     import torch._dynamo
     from megalm.models.layers import AttentionCore
-    from megalm.parallel.tp_plan import ForkRNG
+    from megalm.parallel.styles import ForkRNG
     p = 0.3
     x = torch.randn(B, T, H)
     q, k, v = torch.randn(3, B, 2, T, 4).unbind(0)

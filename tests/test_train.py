@@ -10,7 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megalm.config import conf_dir, register_configs
+from megalm.config import conf_dir
+from megalm.models.registry import register_configs
 from megalm.validation import validate
 from megalm.train import run
 

@@ -159,7 +159,8 @@ def test_mfu_peak_follows_the_precision(monkeypatch, tmp_path):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
     import megalm.training.metrics as metrics
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.errors import ConfigError
     from megalm.validation import validate
     register_configs()

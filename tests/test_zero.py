@@ -15,17 +15,16 @@ from megalm.validation import validate
 def _build(world, zero_stage, bucket_mb, family=GPT2):
     import torch
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, init_weights
-    from megalm.parallel import materialize, parallelize
-    from megalm.parallel.data import build_data_parallel
+    from megalm.models import build_model, family_of, init_weights
+    from megalm.parallel import build_data_parallel, materialize, parallelize
     from megalm.training.optim import build_optimizer
     cfg = load(*BASE, *family, f"parallel=dp{world}", f"parallel.zero_stage={zero_stage}")
     mesh = build_mesh(ParallelDims.from_config(cfg.parallel, world), "cpu")
     model = build_model(cfg.model, "meta")
-    layout = parallelize(model, mesh, cfg.parallel)
+    layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, mesh, layout, zero_stage, bucket_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, zero_stage, bucket_mb)
     opt = build_optimizer(cfg.optimizer, model, dp)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     batches = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=g) for _ in range(2)]

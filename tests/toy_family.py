@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.models.family import FAMILY_MODULES, Family, Parts
+from megalm.models.registry import FAMILY_MODULES
+from megalm.family import Family, Parts
 from megalm.models.losses import LMLoss
 
 
@@ -69,7 +70,7 @@ def init(model, cfg, seed):
 
 
 def tp_plan(cfg, tp, sp):
-    from megalm.parallel.tp_plan import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
+    from megalm.parallel.styles import ColumnParallel, RowParallel, VocabParallel, VocabParallelLoss
     rows = cfg.padded_vocab(tp)
     return [("inp", VocabParallel(rows)), ("stack.*.up", ColumnParallel()), ("stack.*.down", RowParallel()),
             ("out", ColumnParallel(rows=rows)), ("crit", VocabParallelLoss(rows))]

@@ -31,7 +31,7 @@ GROUPS = ("model", "parallel", "optimizer", "data", "cluster")
 def _field_type(key: str) -> Any:
     """The schema's type of a dotted key (model.* in any family's schema), Optional unwrapped; None if unknown."""
     from megalm.config import Config
-    from megalm.models.family import family_names, family_of
+    from megalm.models.registry import family_names, family_of
     head, *rest = key.split(".")
     roots = [family_of(a).config for a in family_names()] if head == "model" else [Config]
     if head != "model":

@@ -1,4 +1,4 @@
-"""Typed config schemas and their registration with Hydra.
+"""Typed config schemas (megalm.models.registry registers them with Hydra).
 
 Every field is typed and carries a default (or MISSING) and a one-line doc. The YAML files
 under conf/ are merged into these dataclasses by Hydra, so a misspelt key or a value of the
@@ -12,19 +12,18 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
 
 @dataclass
 class ModelConfig:
     """The transformer fields every model family shares. A family's own schema extends it (GPT's:
-    megalm.models.gpt.GPTConfig) and a model preset names its schema first in its defaults
+    megalm.models.gpt.config.GPTConfig) and a model preset names its schema first in its defaults
     (`- gpt_schema`), so a preset accepts exactly its family's fields."""
     name: str = MISSING
     """Preset name, for logs and run directories."""
     arch: str = MISSING
-    """Model family (megalm.models.family): set by the family's schema."""
+    """Model family (megalm.models.registry): set by the family's schema."""
     num_layers: int = MISSING
     """Number of Transformer blocks."""
     hidden_size: int = MISSING
@@ -381,48 +380,6 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     run_dir: Optional[str] = None
     """Run directory; None = the directory Hydra made for this job."""
-
-
-def register_configs() -> None:
-    """Register the schema so conf/config.yaml can put it first in its defaults list, and each
-    family's model schema as `model/<arch>_schema` for its presets to name."""
-    from megalm.models.family import family_names, family_of
-    cs = ConfigStore.instance()
-    cs.store(name="megalm_schema", node=Config)
-    for arch in family_names():
-        cs.store(group="model", name=f"{arch}_schema", node=family_of(arch).config)
-
-
-def model_config_from(section: Any) -> ModelConfig:
-    """A model section typed by its family's schema: a run's config.yaml `model:` (it names its
-    arch) or a conf/model preset (it names `<arch>_schema` in its defaults); neither: GPT, as
-    files from before families had schemas."""
-    from omegaconf import DictConfig, OmegaConf
-    from megalm.models.family import family_of
-    node = OmegaConf.create(OmegaConf.to_container(section) if isinstance(section, DictConfig) else section)
-    defaults = node.pop("defaults", None) or []
-    named = [str(d)[:-len("_schema")] for d in defaults if str(d).endswith("_schema")]
-    arch = node.get("arch") or (named[0] if named else "gpt")
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(family_of(arch).config), node))
-
-
-def load_config(path: Any) -> Config:
-    """A run's frozen config.yaml as a Config, its model section typed by its family's schema."""
-    from omegaconf import OmegaConf
-    raw = OmegaConf.load(path)
-    model = model_config_from(raw.model) if "model" in raw else None
-    if model is not None:
-        del raw["model"]
-    cfg = OmegaConf.merge(OmegaConf.structured(Config), raw)
-    if model is not None:
-        cfg.model = OmegaConf.structured(model)
-    return OmegaConf.to_object(cfg)
-
-
-def preset_yaml(model: ModelConfig) -> str:
-    """`model` as a conf/model preset: its family's schema first, then the values."""
-    from omegaconf import OmegaConf
-    return f"defaults:\n  - {model.arch}_schema\n  - _self_\n" + OmegaConf.to_yaml(OmegaConf.structured(model))
 
 
 def conf_dir() -> str:

@@ -18,23 +18,10 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from megalm.config import Config, load_config
 from megalm.errors import ConfigError, DeviceError, MissingFileError, cli_errors
+from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.generate"
-
-
-def load_run_config(run_dir: Path) -> Config:
-    if not run_dir.is_dir():
-        raise MissingFileError(f"{run_dir} does not exist or is not a directory: point at a run directory "
-                               "written by megalm.train (its hydra.run.dir)")
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        raise MissingFileError(f"{path} does not exist: point at a run directory written by megalm.train")
-    try:
-        return load_config(path)
-    except Exception as e:  # YAML syntax, unknown keys and wrong types come as several omegaconf types
-        raise ConfigError(f"{path} is not a megalm run config: {e}") from None
 
 
 def check_prompt(prompt: List[int], vocab_size: int, seq_length: int, what: str = "the prompt",
@@ -76,7 +63,7 @@ def generate_ids(model, prompt: List[int], *, max_new_tokens: int, temperature: 
                  top_k: int = 50, top_p: float = 0.95, vocab_size: Optional[int] = None,
                  eod: Optional[int] = None, seed: int = 0, use_cache: bool = True) -> Iterator[int]:
     """Yield new token ids one at a time (stops at eod, max_new_tokens or the model's context)."""
-    from megalm.models import KVCache
+    from megalm.models.layers import KVCache
     cfg = model.cfg
     use_cache = use_cache and getattr(model, "supports_cache", True)  # a model at a tp/pp layout keeps none
     device = next(model.parameters()).device
@@ -111,7 +98,7 @@ def generate_seq2seq_ids(model, source: List[int], *, bos: int, eos: Optional[in
     """An encoder-decoder model's output for `source`, one id at a time: the encoder runs once (and each
     decoder layer's cross-attention keys and values are computed once from it), then the decoder from
     `bos`, a token a step over its KV cache; stops at eos, max_new_tokens or model.decoder_seq_length."""
-    from megalm.models import KVCache
+    from megalm.models.layers import KVCache
     cfg = model.cfg
     device = next(model.parameters()).device
     model.eval()
@@ -213,15 +200,17 @@ def scoring_task(model_cfg) -> str:
 
 
 def check_generates(cfg, run_dir: Path) -> None:
-    """Only a decoder language model (gpt) or an encoder-decoder (t5) samples text; say what else a run is."""
+    """Only a decoder language model or an encoder-decoder (its family's kind) samples text; say what else a
+    run is."""
     head = getattr(cfg.model, "fine_tuning_head", False)
-    if cfg.model.arch in ("gpt", "t5") and not head:
+    kind = family_of(cfg.model.arch).kind
+    if kind in ("decoder", "encoder-decoder") and not head:
         return
     what = ("a fine-tuned scorer with no language-model head" if head else
-            f"an encoder (model.arch={cfg.model.arch}) with no decoder to sample from")
-    raise ConfigError(f"{run_dir} is {what}: megalm.generate samples text from decoder language models (gpt) and "
-                      f"encoder-decoder ones (t5)" + (f"; score it with `python -m megalm.evaluate {run_dir} "
-                                                       f"{scoring_task(cfg.model)} --data FILE`" if head else ""))
+            f"an {kind} (model.arch={cfg.model.arch}) with no decoder to sample from")
+    raise ConfigError(f"{run_dir} is {what}: megalm.generate samples text from decoder language models and "
+                      f"encoder-decoder ones" + (f"; score it with `python -m megalm.evaluate {run_dir} "
+                                                 f"{scoring_task(cfg.model)} --data FILE`" if head else ""))
 
 
 def _generate(args: argparse.Namespace) -> None:

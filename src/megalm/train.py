@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from megalm.cli import run_hydra_app
-from megalm.config import Config, conf_dir, register_configs
+from megalm.config import Config, conf_dir
+from megalm.models.registry import register_configs
 from megalm.errors import ConfigError, MegalmError, cli_errors
 from megalm.launch import as_rank, detect_rank_env, plan_world, spawn_local
 from megalm.training.job import run

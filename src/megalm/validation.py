@@ -11,8 +11,9 @@ from typing import Any
 from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
 from megalm.errors import ConfigError, did_you_mean
-from megalm.models.family import family_names, family_of
-from megalm.models.fused_loss import BACKWARDS as FUSED_LOSS_BACKWARDS
+from megalm.family import Family
+from megalm.models.registry import family_names, family_of
+from megalm.ops.fused_loss import BACKWARDS as FUSED_LOSS_BACKWARDS
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 from megalm.training.cpu_memory import CHOICES as ALLOCATORS
 
@@ -147,6 +148,8 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
     if (c.backend == "nccl" or c.launcher != "local") and p.tp > c.devices_per_node:
         raise ConfigError(f"parallel.tp={p.tp} is larger than cluster.devices_per_node={c.devices_per_node} "
                           f"(cluster={c.name}): a tensor-parallel group must stay inside one node")
+    if p.tp > 1 and family.tp_plan is None:
+        raise ConfigError(f"parallel.tp={p.tp}: the {m.arch} family has no tensor-parallel plan; use parallel.tp=1")
     if p.sequence_parallel and p.tp == 1:
         raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (tp=1)")
     per_step = t.micro_batch_size * dims.dp
@@ -183,7 +186,7 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
                           f"parallel.tp={p.tp}" + (f" (on each cp rank's {p.cp}th of it)" if p.cp > 1 else "")
                           + ", which does not divide it")
     if p.cp > 1:
-        _validate_context(cfg)
+        _validate_context(cfg, family)
     _validate_experts(cfg, dims.dp)
     if p.bucket_size_mb <= 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
@@ -370,13 +373,15 @@ def _validate_experts(cfg: Config, dp: int) -> None:
                           "ranks are data-parallel ranks")
 
 
-def _validate_context(cfg: Config) -> None:
+def _validate_context(cfg: Config, family: Family) -> None:
     """Context parallelism (parallel.cp > 1) splits a causal language model's sequences."""
     p, m, d = cfg.parallel, cfg.model, cfg.data
-    if m.arch != "gpt" or getattr(m, "fine_tuning_head", False):
-        raise ConfigError(f"parallel.cp={p.cp} splits the sequences of a decoder language model (model.arch=gpt "
-                          f"without a fine-tuning head); model.arch={m.arch}"
-                          + (" has a fine-tuning head" if m.arch == "gpt" else "") + ": use parallel.cp=1")
+    if family.cp_plan is None or family.kind != "decoder" or getattr(m, "fine_tuning_head", False):
+        why = ("has a fine-tuning head" if family.cp_plan is not None and family.kind == "decoder" else
+               f"is a {family.kind} family" if family.kind != "decoder" else "has no context-parallel plan")
+        raise ConfigError(f"parallel.cp={p.cp} splits the sequences of a decoder language model (a family with a "
+                          f"context-parallel plan, without a fine-tuning head); model.arch={m.arch} {why}: use "
+                          "parallel.cp=1")
     if m.seq_length % (2 * p.cp):
         raise ConfigError(f"parallel.cp={p.cp} cuts each sequence into 2 x cp = {2 * p.cp} chunks (two a rank, for "
                           f"causal load balance); model.seq_length={m.seq_length} does not divide")

@@ -1,13 +1,13 @@
 """megalm checkpoints <-> Hugging Face folders (config.json + safetensors).
 
-The weight mapping is the model family's (`Family.hf` names its module: models/gpt_hf.py for
-GPT-2 and Llama, models/bert_hf.py for BERT). A mapping module provides
+The weight mapping is the model family's (`Family.hf` names its module: models/gpt/hf.py for
+GPT-2 and Llama, models/bert/hf.py for BERT). A mapping module provides
 
     ARCHS                      Hugging Face model_type -> the class it reads and writes
     export_arch(cfg)           the model_type that computes exactly what cfg does, else an error
     hf_config(cfg, arch, dtype, eod)        its config.json
     model_config_from_hf(hf, name, seq_length)   the family's config of a config.json, else an error
-    rules(arch, cfg)           Rules (megalm.convert.rules): HF tensors joined into each megalm parameter
+    rules(arch, cfg)           Rules (megalm.models.hf_rules): HF tensors joined into each megalm parameter
     IGNORED                    a regex of HF tensors that are not weights (buffers)
     tied_copies(cfg)           HF tensors that may repeat a tied weight: HF name -> megalm name
 
@@ -32,8 +32,9 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megalm.config import ModelConfig, model_config_from, preset_yaml
-from megalm.convert.rules import Rule, UnsupportedArchitecture, expand
+from megalm.config import ModelConfig
+from megalm.models.registry import model_config_from, preset_yaml
+from megalm.models.hf_rules import Rule, UnsupportedArchitecture, expand
 from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError
 
 log = logging.getLogger("megalm.convert")
@@ -83,7 +84,7 @@ def _mapping(arch: str):
 
 def _mappings() -> Dict[str, Any]:
     """Hugging Face model_type -> the mapping module that reads it, over every family."""
-    from megalm.models.family import family_names, family_of
+    from megalm.models.registry import family_names, family_of
     out: Dict[str, Any] = {}
     for name in family_names():
         if family_of(name).hf is not None:

@@ -162,7 +162,7 @@ def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int,
                 specials: Specials, token_lookup: Sequence[int], binary_head: bool,
                 continues_word: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """One sample from the sentences of a sample-index entry (megatron-core's __getitem__)."""
-    from megalm.models.losses import IGNORE
+    from megalm.ops.losses import IGNORE
     pivot, is_random = len(sentences), False
     if binary_head:
         if len(sentences) < 2:

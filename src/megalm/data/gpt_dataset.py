@@ -175,7 +175,7 @@ def gpt_batch(samples: torch.Tensor, eod: Optional[int] = None) -> Dict[str, tor
     next-token `labels` (mbs, seq_length), and `loss_mask` (float; with `eod`, Megatron's
     --eod-mask-loss zeroes the positions whose input is eod, and their labels are IGNORE)."""
     import torch
-    from megalm.models.losses import IGNORE
+    from megalm.ops.losses import IGNORE
     tokens, labels = samples[:, :-1], samples[:, 1:]
     if eod is None:
         return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(labels.shape)}

@@ -212,7 +212,7 @@ class SFTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
-        from megalm.models.losses import IGNORE
+        from megalm.ops.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
         example = self.examples[self.order(i)]

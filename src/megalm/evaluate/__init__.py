@@ -42,6 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from megalm.data.jsonl import not_utf8
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
+from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.evaluate"
 TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify", "squad")
@@ -57,9 +58,9 @@ def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: in
     `options`: _evaluate's keywords."""
     if tp < 1 or pp < 1 or dp < 1:
         raise ConfigError(f"--tp {tp}, --pp {pp} and --dp {dp} must be at least 1")
-    if tp * pp * dp > 1 and _encoder_decoder(Path(run_dir)):
-        raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch=t5): megalm.evaluate runs it on one "
-                          f"process; drop --tp {tp} --pp {pp} --dp {dp}")
+    if tp * pp * dp > 1 and _kind(Path(run_dir)) == "encoder-decoder":
+        raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={load_run_config(run_dir).model.arch}): "
+                          f"megalm.evaluate runs it on one process; drop --tp {tp} --pp {pp} --dp {dp}")
     if tp * pp * dp > 1:
         from megalm.evaluate.layout import check_layout, on_ranks
         check_layout(Path(run_dir), tp, pp)  # before any rank starts
@@ -107,12 +108,13 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
     if getattr(cfg.model, "fine_tuning_head", False):
         raise ConfigError(f"{run_dir} is a fine-tuned scorer (no language-model head): score it with the "
                           f"{scoring_task(cfg.model)} task")
-    if hasattr(model, "encode") and task != "generate":
+    kind = family_of(cfg.model.arch).kind
+    if kind == "encoder-decoder" and task != "generate":
         raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={cfg.model.arch}): its task is generate "
                           f"(a translation, scored by BLEU and chrF), not {task}")
-    if cfg.model.arch != "gpt" and not hasattr(model, "encode"):
-        raise ConfigError(f"megalm.evaluate scores decoder and encoder-decoder language models (model.arch=gpt, t5); "
-                          f"{run_dir} is model.arch={cfg.model.arch}")
+    if kind not in ("decoder", "encoder-decoder"):
+        raise ConfigError(f"megalm.evaluate scores decoder and encoder-decoder language models; {run_dir} is "
+                          f"model.arch={cfg.model.arch}, an {kind}")
     stem = data.name.split(".")[0]
     details = run_dir / "eval" / f"{task}_{stem}_samples.jsonl" if write else None
     if details is not None:
@@ -142,10 +144,9 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
     return _finish(run_dir, task, data, cfg, state, metrics, start, write, tp, pp, dp)
 
 
-def _encoder_decoder(run_dir: Path) -> bool:
-    from megalm.generate import load_run_config
-    from megalm.models import family_of
-    return hasattr(family_of(load_run_config(run_dir).model.arch).build, "encode")
+def _kind(run_dir: Path) -> str:
+    """The kind of the run's model family (megalm.family.KINDS)."""
+    return family_of(load_run_config(run_dir).model.arch).kind
 
 
 def _finish(run_dir: Path, task: str, data: Path, cfg, state, metrics: Dict[str, Any], start: float,

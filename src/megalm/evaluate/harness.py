@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from megalm.errors import ConfigError, cli_errors, did_you_mean
 from megalm.evaluate.likelihood import Scorer, windows
+from megalm.models.registry import family_of
 
 try:
     from lm_eval.api.model import LM
@@ -61,9 +62,10 @@ class MegalmLM(LM):
         else:
             from megalm.generate import load_for_generation
             self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
-        if self.cfg.model.arch != "gpt":
-            raise ConfigError(f"the harness scores decoder models (model.arch=gpt); {run_dir} is "
-                              f"model.arch={self.cfg.model.arch}")
+        kind = family_of(self.cfg.model.arch).kind
+        if kind != "decoder":
+            raise ConfigError(f"the harness scores decoder models; {run_dir} is model.arch={self.cfg.model.arch}, "
+                              f"an {kind}")
         self.seq_length = self.cfg.model.seq_length
         self.scorer = Scorer(self.model, self.cfg.model.vocab_size, self.seq_length, self.tokenizer.eod,
                              int(batch_size))

@@ -50,7 +50,7 @@ class LayoutModel:
         self.owners = [dist.get_global_rank(self.pp_group, r) for r in range(self.pp)]
         self.part = None
         if self.pp > 1:
-            from megalm.models.family import Part
+            from megalm.family import Part
             self.part = Part(tuple(layout.stage_ranges[self.stage]), self.stage == 0, self.stage == self.pp - 1)
         self.local_vocab = self.cfg.padded_vocab(self.tp) // self.tp if self.tp > 1 else None
 
@@ -101,7 +101,7 @@ class LayoutModel:
 
 def check_layout(run_dir: Path, tp: int, pp: int):
     """The run's config, when the model splits into tp x pp (else a ConfigError)."""
-    from megalm.generate import load_run_config
+    from megalm.models.registry import load_run_config
     from megalm.models import family_of
     cfg = load_run_config(run_dir)
     m = cfg.model
@@ -121,7 +121,7 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int
     from megalm.config import ParallelConfig
     from megalm.data import load_tokenizer
     from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model
+    from megalm.models import build_model, family_of
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     world = dist.get_world_size()
@@ -133,7 +133,7 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int
     dims = ParallelDims.from_config(parallel, world)
     mesh = build_mesh(dims, torch.device(device).type)
     module = build_model(cfg.model, device="meta")
-    layout = parallelize(module, mesh, parallel, seed=cfg.trainer.seed)
+    layout = parallelize(module, family_of(module.cfg.arch), mesh, parallel, seed=cfg.trainer.seed)
     materialize(module, torch.device(device))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group())
     step_dir = checkpointer.latest()

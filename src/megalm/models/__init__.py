@@ -1,7 +1,9 @@
-"""Plain single-device model code; parallelism is applied from outside (megalm.parallel).
+"""Plain single-device model code, one package a family (gpt/, bert/, t5/) over shared layers;
+parallelism is applied from outside (megalm.parallel), by the plans each family's parallelize.py gives.
 
-`build_model`, `init_weights` and `flops_per_token` dispatch on `model.arch` through the family
-registry (megalm.models.family), so callers never name a family's classes.
+`build_model`, `init_weights` and `flops_per_token` find the family of `model.arch` in the registry
+(megalm.models.registry), for the commands that start from a config; code below them is handed the
+Family instead.
 """
 
 from __future__ import annotations
@@ -14,11 +16,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from megalm.config import ModelConfig
-from megalm.models.family import Family, family_of
-from megalm.models.flops import matmul_params
-from megalm.models.gpt import GPT
-from megalm.models.losses import lm_loss
-from megalm.models.layers import KVCache
+from megalm.models.registry import family_names, family_of
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> nn.Module:
@@ -63,5 +61,4 @@ def flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float
     return family_of(cfg.arch).flops_per_token(cfg, seq_length)
 
 
-__all__ = ["Family", "GPT", "KVCache", "build_model", "family_of", "flops_per_token", "init_weights", "lm_loss",
-           "matmul_params"]
+__all__ = ["build_model", "family_names", "family_of", "flops_per_token", "init_weights"]

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.distributed.shards import shard_specs
 from megalm.models.layers import output_init_std
 
 
@@ -27,7 +28,6 @@ def init_by_name(model: nn.Module, cfg: ModelConfig, seed: int, vocab_params: Se
     """Linear and embedding weights ~ N(0, init_std); residual output projections (names ending
     in `scaled`) use init_std / sqrt(2 * num_layers) as GPT-2 and Megatron do; norms get 1,
     biases 0. `vocab_params` draw their real vocabulary rows only (padding rows are 0)."""
-    from megalm.parallel.tensor import shard_specs
     out_std = output_init_std(cfg)
     for name, p in model.named_parameters():
         leaf = name.rsplit(".", 1)[-1]

@@ -8,13 +8,16 @@ fused layouts a TP plan knows how to split (QKV stacked as [q | k | v], SwiGLU a
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.ops.attention import Uniform, attention_backend, unfused_attention
+from megalm.ops.embedding import lookup
 
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
@@ -57,6 +60,16 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+@dataclass
+class Encoded:
+    """A source run through an encoder-decoder's encoder (its `encode`; its `decode` reads it): its output,
+    its key mask and each decoder layer's cross-attention keys and values."""
+    memory: Optional[torch.Tensor]
+    """None where only the keys and values are kept (the server's slots)."""
+    key_mask: torch.Tensor
+    cross_kv: List[Tuple[torch.Tensor, torch.Tensor]]
+
+
 class Attention(nn.Module):
     """Self-attention with grouped-query heads (arXiv:2305.13245) on SDPA: causal (decoders), or
     bidirectional over the keys a padding mask keeps (encoders: `causal=False`)."""
@@ -69,7 +82,6 @@ class Attention(nn.Module):
         self.core = AttentionCore(cfg.attention_dropout, causal, cfg.attention_backend)
         self.proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.context = None  # context parallelism (megalm.parallel.context): this rank's place in the sequence
 
     def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                 cache: Optional[KVCache] = None, start: int = 0, mask: Optional[torch.Tensor] = None,
@@ -86,8 +98,6 @@ class Attention(nn.Module):
         q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, -1, self.head_dim).transpose(1, 2)
-        if positions is None and self.context is not None:
-            positions = self.context.positions(T, x.device)  # this rank's chunks of the sequence
         if rope is not None and positions is not None:
             cos, sin = rope[0][positions], rope[1][positions]  # (B, T, hd/2)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -99,63 +109,6 @@ class Attention(nn.Module):
         y = self.core(q, k, v, start, mask) if mask is not None else self.core(q, k, v, start)  # (B, nh, T, hd)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.dropout(self.proj(y))
-
-
-def attention_backend(choice: str, device_type: str, dtype: torch.dtype, compiling: bool) -> str:
-    """The attention kernel `model.attention_backend` = `choice` runs: sdpa or unfused as named; auto picks
-    unfused where it was measured faster, inside a compiled graph on CPU in bf16 / fp16 (docs/PERFORMANCE.md:
-    inductor fuses its mask and softmax, and its matmuls run in the low precision, where CPU's flash
-    kernel gained nothing over fp32), and sdpa everywhere else."""
-    if choice != "auto":
-        return choice
-    low = dtype in (torch.bfloat16, torch.float16)
-    return "unfused" if compiling and device_type == "cpu" and low else "sdpa"
-
-
-Uniform = Callable[[torch.Size, torch.device], torch.Tensor]
-"""A source of dropout's random numbers: uniform(shape, device) gives numbers in [0, 1) of that shape."""
-
-
-def dropout_with(x: torch.Tensor, p: float, uniform: Uniform) -> torch.Tensor:
-    """Dropout of `x` with probability `p` (kept elements scaled by 1 / (1 - p), as F.dropout), its mask
-    drawn from `uniform`: an element is kept where its number is at least p."""
-    if p >= 1:
-        return x * 0
-    keep = uniform(x.shape, x.device) >= p
-    return x * keep.to(x.dtype) * (1.0 / (1.0 - p))
-
-
-CAUSAL_SPLIT_MIN = 256
-"""Causal self-attention of at least this many tokens runs unfused as two query halves (each half >= 128
-tokens: quarters measured slower than halves at 256, the matmuls too small)."""
-
-
-def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None,
-                      causal: bool = False, dropout_p: float = 0.0, uniform: Optional[Uniform] = None) -> torch.Tensor:
-    """softmax(q k^T / sqrt(hd) + mask) v as separate ops, SDPA's arguments and result: the scores in q's
-    dtype, the softmax in fp32, its probabilities cast back to q's dtype for the second matmul (Megatron's
-    unfused core attention with the softmax in fp32). `mask`: bool (True: attend) or additive; `causal`:
-    query t of T sees keys up to S - T + t of S. Dropout on the probabilities draws from the default
-    generator, or from `uniform` when given (`dropout_with`). Causal self-attention of CAUSAL_SPLIT_MIN
-    tokens or more, without dropout, is computed as two query halves, the first against the first half of
-    the keys: the same result with a quarter fewer scores."""
-    T, S = q.shape[-2], k.shape[-2]
-    if causal and mask is None and dropout_p == 0 and T == S >= CAUSAL_SPLIT_MIN and T % 2 == 0:
-        # The first half of the queries sees only the first half of the keys: the two halves apart skip the
-        # quarter of the scores the mask would discard (docs/PERFORMANCE.md: 1.04-1.06x a compiled bf16 step).
-        h = T // 2
-        return torch.cat([unfused_attention(q[..., :h, :], k[..., :h, :], v[..., :h, :], causal=True),
-                          unfused_attention(q[..., h:, :], k, v, causal=True)], dim=-2)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-    if causal:
-        keep = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=S - T)
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    if dropout_p > 0:
-        probs = F.dropout(probs, dropout_p) if uniform is None else dropout_with(probs, dropout_p, uniform)
-    return torch.matmul(probs, v)
 
 
 class AttentionCore(nn.Module):
@@ -236,42 +189,6 @@ def gelu(h: torch.Tensor, exact: bool = False) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
-@torch.library.custom_op("megalm::embedding_grad", mutates_args=())
-def embedding_grad(grad: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
-    """The gradient of a (rows, h) table from its lookup of `ids` (grad: ids' shape + (h,)): aten's
-    kernel, as an op inductor calls instead of generating code for."""
-    return torch.ops.aten.embedding_dense_backward(grad, ids, rows, -1, False)
-
-
-@embedding_grad.register_fake
-def _(grad: torch.Tensor, ids: torch.Tensor, rows: int) -> torch.Tensor:
-    return grad.new_empty((rows, grad.shape[-1]))
-
-
-class _Lookup(torch.autograd.Function):
-    """F.embedding whose backward is `embedding_grad`."""
-
-    @staticmethod
-    def forward(ctx, weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(ids)
-        ctx.rows = weight.shape[0]
-        return F.embedding(ids, weight)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (ids,) = ctx.saved_tensors
-        return embedding_grad(grad.contiguous(), ids, ctx.rows), None
-
-
-def lookup(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.embedding(ids, weight). Inside a compiled graph its backward is aten's kernel (`embedding_grad`):
-    inductor's own code for it adds each looked-up row into the table gradient by an atomic add per
-    element, about 3x aten's time on CPU (docs/PERFORMANCE.md)."""
-    if torch.compiler.is_compiling() and torch.is_grad_enabled() and weight.requires_grad:
-        return _Lookup.apply(weight, ids)
-    return F.embedding(ids, weight)
-
-
 class TableEmbedding(nn.Embedding):
     """nn.Embedding (its parameters and options) looked up by `lookup` when none of its options is set."""
 
@@ -316,6 +233,20 @@ class Block(nn.Module):
     def forward(self, x, rope=None, cache=None, start=0, mask=None, positions=None):
         x = x + self.attn(self.norm1(x), rope, cache, start, mask, positions)
         return x + self.mlp(self.norm2(x))
+
+
+class LMHead(nn.Linear):
+    """The output head: an nn.Linear whose call can hand its input and weight to a consumer that fuses
+    the matmul into itself (`fuse(x, weight)`, the chunked loss). Going through the module's call keeps
+    hooks on it working (ZeRO-3 gathers the weight in one); ColumnParallelLinear takes `fuse` too."""
+
+    def forward(self, x: torch.Tensor, fuse: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
+                ) -> torch.Tensor:
+        if fuse is None:
+            return F.linear(x, self.weight, self.bias)
+        if self.bias is not None:
+            raise ValueError("a fused head + loss takes a head without a bias")
+        return fuse(x, self.weight)
 
 
 def output_init_std(cfg: ModelConfig) -> float:

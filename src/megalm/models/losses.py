@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-IGNORE = -100  # a label that takes no part in the loss (e.g. after an end-of-document token)
+from megalm.ops.fused_loss import fused_masked_mean
+from megalm.ops.losses import IGNORE, masked_mean
 
 
 class LMLoss(nn.Module):
@@ -40,8 +40,7 @@ class LMLoss(nn.Module):
                     backward: str = "in_forward") -> torch.Tensor:
         """The same loss from the head's input (B, T, h) and weight (V, h), the logits made `chunk_tokens`
         tokens at a time and never whole, the gradients made in forward or recomputed in backward
-        (`backward`; megalm.models.fused_loss)."""
-        from megalm.models.fused_loss import fused_masked_mean
+        (`backward`; megalm.ops.fused_loss)."""
         return fused_masked_mean(hidden, weight, labels, loss_mask, backward=backward, vocab_size=self.vocab_size,
                                  chunk_tokens=chunk_tokens, label_smoothing=self.label_smoothing)
 
@@ -52,13 +51,6 @@ class LMLoss(nn.Module):
         logits = logits.float()[..., :self.vocab_size]
         target = logits.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
         return ((target >= logits.max(-1).values) & (labels != IGNORE)).float()
-
-
-def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    if loss_mask is None:
-        return losses.mean()
-    mask = loss_mask.float()
-    return (losses * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,

@@ -35,8 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.distributed.comm import _record
-from megalm.models.losses import IGNORE
-from megalm.models.layers import AttentionCore
+from megalm.ops.losses import IGNORE
 
 
 @dataclass
@@ -143,13 +142,15 @@ def _merge(out: Optional[torch.Tensor], lse: Optional[torch.Tensor], part: torch
     return out * torch.exp(lse - new) + part * torch.exp(part_lse - new), new
 
 
-class RingAttentionCore(AttentionCore):
+class RingAttentionCore(nn.Module):
     """Causal attention of this rank's two query chunks over every rank's keys and values, the blocks
-    passed around the cp ring (module docstring). Takes and returns what AttentionCore does for a
-    causal layer: q (B, H, 2c, hd), k / v (B, KVH, 2c, hd) of this rank's chunks, after RoPE."""
+    passed around the cp ring (module docstring). Takes and returns what a causal attention core does
+    (megalm.models.layers.AttentionCore): q (B, H, 2c, hd), k / v (B, KVH, 2c, hd) of this rank's chunks,
+    after RoPE."""
 
     def __init__(self, context: ContextParallel, attention_dropout: float):
-        super().__init__(attention_dropout, causal=True)
+        super().__init__()
+        self.attention_dropout, self.causal = attention_dropout, True
         self.context = context
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int = 0,
@@ -188,12 +189,46 @@ class RingAttentionCore(AttentionCore):
         return _Arrive.apply(block, ctx.group, pending) if pending is not None else block
 
 
-def apply_context_parallel(model: nn.Module, context: ContextParallel) -> None:
-    """Swap every self-attention core of the model for the ring's, and give the model and its
-    attention layers the layout, so positions follow it."""
-    from megalm.models.layers import Attention
-    model.context = context
-    for module in model.modules():
-        if isinstance(module, Attention):
-            module.context = context
-            module.core = RingAttentionCore(context, module.core.attention_dropout)
+# -- styles: where a family's context-parallel plan puts the ring and the positions ---------------
+@dataclass(frozen=True)
+class CPContext:
+    """What a context-parallel style needs on this rank: its place in the cp group, and how many
+    sequence shards a layer's input is in beside it (tp under sequence parallelism, else 1)."""
+    context: ContextParallel
+    sequence_shards: int = 1
+
+
+@dataclass(frozen=True)
+class RingAttention:
+    """An attention core (causal, parameter-free; its dropout probability `attention_dropout`) becomes
+    the ring's, RingAttentionCore."""
+
+    def apply(self, module: nn.Module, ctx: CPContext) -> nn.Module:
+        return RingAttentionCore(ctx.context, module.attention_dropout)
+
+
+@dataclass(frozen=True)
+class ContextPositions:
+    """A module whose forward takes its tokens' positions as argument number `arg` (or keyword
+    `positions`) gets, where its caller passes none, the positions this rank's tokens hold in the whole
+    sequence (ContextParallel.positions: RoPE and learned position embeddings then see them where they
+    are). Its first argument's dim 1 is the rank's part of the sequence, or with `sequence_sharded` a
+    sequence shard of it (a layer's input under sequence parallelism)."""
+    arg: int
+    sequence_sharded: bool = False
+
+    def apply(self, module: nn.Module, ctx: CPContext) -> None:
+        arg, shards = self.arg, ctx.sequence_shards if self.sequence_sharded else 1
+        context = ctx.context
+
+        def hook(mod, args, kwargs):
+            given = args[arg] if len(args) > arg else kwargs.get("positions")
+            if given is not None:
+                return None
+            x = args[0]
+            positions = context.positions(x.shape[1] * shards, x.device)
+            if len(args) > arg:
+                return (*args[:arg], positions, *args[arg + 1:]), kwargs
+            return args, {**kwargs, "positions": positions}
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)

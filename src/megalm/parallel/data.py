@@ -24,7 +24,8 @@ Why not torch's DDP and ZeroRedundancyOptimizer: DDP must wrap the module a sche
 pipeline stage here is a view over a shared model and zero-bubble schedules split backward into
 input and weight passes, which DDP's reducer does not follow; ZeroRedundancyOptimizer assigns
 whole parameters to ranks and broadcasts them, moving more than a reduce-scatter + all-gather and
-leaving a state dict DCP cannot reshard. ZeRO-3 (`megalm.parallel.zero3`) extends this class.
+leaving a state dict DCP cannot reshard. ZeRO-3 (`megalm.parallel.zero3`) extends this class;
+`megalm.parallel.build_data_parallel` picks the one a run needs.
 
 Replicated-across-tp gradients (sequence-parallel norms) are summed over tp and the tied
 embedding's over the embedding group after the dp reduction, on whatever this rank holds (the
@@ -43,6 +44,7 @@ import torch.distributed as dist
 from torch import nn
 
 from megalm.distributed.comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
+from megalm.distributed.mesh import replica_mesh
 from megalm.parallel.grads import sum_replicas
 
 # Tags of a model parameter that its ZeRO shard carries (for the norm and the replica sums).
@@ -110,7 +112,6 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0):
         self.model, self.zero_stage = model, zero_stage
-        from megalm.distributed.mesh import replica_mesh
         dp = replica_mesh(mesh)  # dp, or dp x cp under context parallelism: every rank with the same weights
         self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
         self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
@@ -354,14 +355,3 @@ class ZeroOptimizer:
             g["lr"] = lr
         for t, g in zip(tensors, grads):
             t.grad = g
-
-
-def build_data_parallel(model: nn.Module, mesh, layout, zero_stage: int,
-                        bucket_size_mb: float) -> Optional[DataParallel]:
-    """The gradient synchroniser of a distributed run; None in a single process."""
-    if mesh is None:
-        return None
-    if zero_stage == 3:
-        from megalm.parallel.zero3 import FullyShardedDataParallel
-        return FullyShardedDataParallel(model, mesh, layout, bucket_size_mb)
-    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb)

@@ -1,6 +1,9 @@
 """Expert parallelism (parallel.ep): each mixture-of-experts layer's experts split over ep ranks;
-how a mixture runs under tensor and context parallelism (`split_tokens`); and expert tensor
-parallelism (parallel.expert_tp: each expert split over the tp ranks, `split_experts`, `run_experts`).
+how a mixture runs under tensor and context parallelism (each rank routing its own tokens); and expert
+tensor parallelism (parallel.expert_tp: each expert split over the tp ranks, `run_experts`). All of it as
+styles a family's expert plan puts around the parts of its mixture (`ExpertParallel` on the experts,
+`TokenGroupLoad` on the expert load, `OwnSequenceShard` and `PartialOverTP` on the layer): the layer
+itself holds no group and always just calls its experts.
 
 The ep ranks are data-parallel ranks (ep divides dp, ep varying fastest within dp, as Megatron-Core
 carves its expert-parallel groups out of data parallelism): each runs its own micro-batches through
@@ -25,14 +28,18 @@ over dp and tp).
 
 from __future__ import annotations
 
-from typing import Tuple
+import functools
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 
-from megalm.distributed.comm import _record
-from megalm.parallel.tensor import TPShard
+from megalm.distributed import comm
+from megalm.distributed.comm import _record, gather_seq_replicated, scatter_seq
+from megalm.distributed.shards import TPShard
 
 
 def expert_groups(mesh, ep: int) -> Tuple[object, object]:
@@ -48,69 +55,125 @@ def expert_groups(mesh, ep: int) -> Tuple[object, object]:
     return experts["ep"].get_group(), edp.get_group()
 
 
-def apply_expert_parallel(model: nn.Module, group) -> None:
-    """Keep this rank's E / ep experts of every MoE layer (on the meta device, before materialize)."""
-    from megalm.models.moe import MoE, GroupedLinear
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    for module in model.modules():
-        if not isinstance(module, MoE):
-            continue
-        local = module.num_experts // world
-        for name in ("fc1", "fc2"):
-            old = getattr(module.experts, name).weight
-            with torch.device(old.device):  # meta: no memory yet
-                new = GroupedLinear(local, old.shape[1], old.shape[2])
-            new.weight.ep_shard = TPShard(dim=0, rank=rank, world=world)
-            setattr(module.experts, name, new)
-        module.ep_group = group
+@dataclass(frozen=True)
+class ExpertContext:
+    """The groups a mixture's styles need on this rank (None: that parallelism is off)."""
+    ep_group: Optional[object] = None
+    """The ranks splitting each layer's experts (parallel.ep)."""
+    tp_group: Optional[object] = None
+    """Expert tensor parallelism (parallel.expert_tp): the tp group each expert is split over."""
+    token_group: Optional[object] = None
+    """The ranks a micro-batch's tokens are split over in a layer (tp, cp, or both): its load is theirs."""
+    split_group: Optional[object] = None
+    """tp without sequence parallelism: the layer cuts its replicated input into tp shards itself."""
+    partial: bool = False
+    """tp > 1: each tp rank routes its own tokens, so replicated parameters get partial gradients."""
 
 
-def split_tokens(model: nn.Module, mesh, sequence_parallel: bool, expert_tp: bool = False) -> None:
-    """Tensor and context parallelism of the MoE layers: each rank routes and computes its own tokens
-    (tp: its sequence shard, cut here from the replicated sequence unless SP already did; cp: its
-    chunks), with the router replicated over tp (whose ranks then hold partial gradients of it, summed
-    over tp like SP's norms) and cp. The experts are replicated alike, or with `expert_tp` split over the
-    tp ranks (`split_experts`). The aux losses are over every token of the group."""
-    from megalm.models.moe import MoE
+def expert_context(mesh, ep: int, expert_tp: bool, sequence_parallel: bool, ep_group=None) -> ExpertContext:
+    """This rank's ExpertContext of `mesh` (`ep_group`: its ep group from `expert_groups`, when ep > 1)."""
     tp, cp = mesh["tp"], mesh["cp"]
-    if tp.size() == 1 and cp.size() == 1:
-        return
+    token_group = None
     if tp.size() > 1 and cp.size() > 1:
         token_group = mesh["cp", "tp"]._flatten("cp_tp").get_group()
-    else:
+    elif tp.size() > 1 or cp.size() > 1:
         token_group = (tp if tp.size() > 1 else cp).get_group()
-    for module in model.modules():
-        if not isinstance(module, MoE):
-            continue
-        module.token_group = token_group
-        if tp.size() > 1:
-            module.split_group = None if sequence_parallel else tp.get_group()
-            if expert_tp:
-                split_experts(module, tp.get_group())
-            for p in module.parameters():
-                if getattr(p, "tp_shard", None) is None:
-                    p.sequence_parallel = True
+    split = tp.size() > 1
+    return ExpertContext(ep_group=ep_group if ep > 1 else None,
+                         tp_group=tp.get_group() if split and expert_tp else None, token_group=token_group,
+                         split_group=tp.get_group() if split and not sequence_parallel else None, partial=split)
 
 
-def split_experts(module: nn.Module, group) -> None:
-    """Expert tensor parallelism: each of a MoE layer's experts split over the tp ranks as Megatron splits the
-    dense MLP, fc1's columns (SwiGLU: gate's and up's alike) and fc2's rows, tagged `tp_shard` (the experts an
-    ep rank holds keep their `ep_shard`). On the meta device, before materialize."""
-    from megalm.models.moe import GroupedLinear
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    experts = module.experts
-    fc1, fc2 = experts.fc1.weight, experts.fc2.weight
-    local, hidden, ffn = fc1.shape[0], fc1.shape[1], fc2.shape[1]
-    segments = (ffn, ffn) if experts.activation == "swiglu" else None
-    with torch.device(fc1.device):  # meta: no memory yet
-        experts.fc1 = GroupedLinear(local, hidden, fc1.shape[2] // world)
-        experts.fc2 = GroupedLinear(local, ffn // world, hidden)
-    experts.fc1.weight.tp_shard = TPShard(dim=2, rank=rank, world=world, segments=segments)
-    experts.fc2.weight.tp_shard = TPShard(dim=1, rank=rank, world=world)
-    for new, old in ((experts.fc1.weight, fc1), (experts.fc2.weight, fc2)):
-        if getattr(old, "ep_shard", None) is not None:
-            new.ep_shard = old.ep_shard
-    module.expert_tp_group = group
+# -- styles: each applies to one module of a mixture, by the family's expert plan -----------------
+@dataclass(frozen=True)
+class ExpertParallel:
+    """The experts module (fc1 and fc2 holding stacked weights (E, in, out); called as `experts(rows,
+    counts)` on rows sorted by expert): under expert parallelism this rank keeps E / ep of them (rank r:
+    experts r E/ep .. (r+1) E/ep - 1, tagged `ep_shard`), and its call sends the rows to the ranks holding
+    their experts and brings the outputs back (`dispatch`); under expert tensor parallelism each expert is
+    split over tp as Megatron splits the dense MLP, fc1's columns and fc2's rows (tagged `tp_shard`;
+    `fc1_segments`: the column segments split alike, SwiGLU's [gate | up]), and its call runs every tp
+    rank's rows through this rank's slices (`run_experts`). On the meta device, before materialize."""
+    fc1_segments: Optional[Tuple[int, ...]] = None
+
+    def apply(self, module: nn.Module, ctx: ExpertContext) -> None:
+        if ctx.ep_group is None and ctx.tp_group is None:
+            return
+        if ctx.ep_group is not None:
+            rank, world = dist.get_rank(ctx.ep_group), dist.get_world_size(ctx.ep_group)
+            for linear in (module.fc1, module.fc2):
+                old = linear.weight
+                linear.weight = nn.Parameter(old.new_empty((old.shape[0] // world, *old.shape[1:])))
+                linear.weight.ep_shard = TPShard(dim=0, rank=rank, world=world)
+        if ctx.tp_group is not None:
+            rank, world = dist.get_rank(ctx.tp_group), dist.get_world_size(ctx.tp_group)
+            for linear, dim, segments in ((module.fc1, 2, self.fc1_segments), (module.fc2, 1, None)):
+                old = linear.weight
+                shape = list(old.shape)
+                shape[dim] //= world
+                linear.weight = nn.Parameter(old.new_empty(shape))
+                linear.weight.tp_shard = TPShard(dim=dim, rank=rank, world=world, segments=segments)
+                if getattr(old, "ep_shard", None) is not None:
+                    linear.weight.ep_shard = old.ep_shard
+        local = module.forward  # the experts this rank holds, on rows sorted by (local) expert
+        if ctx.ep_group is not None:
+            module.forward = functools.partial(dispatch, local, group=ctx.ep_group, tp_group=ctx.tp_group)
+        else:
+            module.forward = functools.partial(run_experts, local, tp_group=ctx.tp_group)
+
+
+@dataclass(frozen=True)
+class TokenGroupLoad:
+    """The expert load (counts (E,), tokens N) of this rank's tokens becomes its token group's, the whole
+    micro-batch's, over which the auxiliary losses are defined: the counts summed, N times the group."""
+
+    def apply(self, module: nn.Module, ctx: ExpertContext) -> None:
+        group = ctx.token_group
+        if group is None:
+            return
+
+        def hook(mod, args, out):
+            counts, tokens = out
+            counts = counts.clone()
+            dist.all_reduce(counts, group=group)
+            return counts, tokens * dist.get_world_size(group)
+
+        module.register_forward_hook(hook)
+
+
+@dataclass(frozen=True)
+class OwnSequenceShard:
+    """Under tp without sequence parallelism a layer's input is the whole (replicated) sequence: the layer
+    routes this rank's shard of it and gathers the outputs. Training's sequences divide evenly (validated);
+    a prompt, or one decoded token, is made up to a multiple of tp with zero rows, cut off after."""
+
+    def apply(self, module: nn.Module, ctx: ExpertContext) -> None:
+        if ctx.split_group is None:
+            return
+        module.forward = functools.partial(_on_own_shard, module.forward, ctx.split_group)
+
+
+def _on_own_shard(forward: Callable, group, x: torch.Tensor) -> torch.Tensor:
+    T = x.shape[1]
+    pad = -T % dist.get_world_size(group)
+    if pad:
+        x = F.pad(x, (0, 0, 0, pad))
+    out = gather_seq_replicated(forward(scatter_seq(x, group)), group)
+    return out[:, :T] if pad else out
+
+
+@dataclass(frozen=True)
+class PartialOverTP:
+    """Each tp rank routes its own tokens, so the layer's parameters replicated over tp (the router; the
+    experts unless expert tp splits them) get partial gradients, summed over tp like SP's norms'
+    (tagged `sequence_parallel`)."""
+
+    def apply(self, module: nn.Module, ctx: ExpertContext) -> None:
+        if not ctx.partial:
+            return
+        for p in module.parameters():
+            if getattr(p, "tp_shard", None) is None:
+                p.sequence_parallel = True
 
 
 class _AllToAll(torch.autograd.Function):
@@ -140,19 +203,18 @@ def _all_to_all(x: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
-def run_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, tp_group=None) -> torch.Tensor:
-    """The outputs of this rank's experts for `rows`, sorted by expert (counts[e] rows of expert e), as one
-    grouped computation. Under expert tensor parallelism (`tp_group`) each tp rank holds a slice of every
+def run_experts(experts: Callable, rows: torch.Tensor, counts: torch.Tensor, tp_group=None) -> torch.Tensor:
+    """The outputs of this rank's experts (`experts(rows, counts)`, one grouped computation) for `rows`,
+    sorted by expert (counts[e] rows of expert e). Under expert tensor parallelism (`tp_group`) each tp rank holds a slice of every
     expert: the ranks gather one another's rows (all-to-all, each rank's rows to every rank), each runs
     them all through its slices, giving partial sums of every row's output, and a second all-to-all returns
     each rank's rows, whose partial sums it adds (Megatron's column- then row-parallel MLP, over the tokens
     of the whole group)."""
     if tp_group is None:
-        return experts(rows, torch.cumsum(counts, 0).to(torch.int32))
-    from megalm.distributed.comm import _all_gather_single
+        return experts(rows, counts)
     world, local = dist.get_world_size(tp_group), counts.numel()
     received = torch.empty(world * local, dtype=counts.dtype, device=counts.device)
-    _all_gather_single(received, counts.contiguous(), group=tp_group)  # [tp rank, expert] counts
+    comm._all_gather_single(received, counts.contiguous(), group=tp_group)  # [tp rank, expert] counts
     received = received.view(world, local)
     n, arrive = rows.shape[0], received.sum(1).tolist()
     x = _all_to_all(rows.expand(world, *rows.shape).reshape(world * n, *rows.shape[1:]), arrive, [n] * world,
@@ -161,7 +223,7 @@ def run_experts(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, tp
     return _all_to_all(y, [n] * world, arrive, tp_group).view(world, n, *y.shape[1:]).sum(0)
 
 
-def _grouped(experts: nn.Module, x: torch.Tensor, received: torch.Tensor, tp_group=None) -> torch.Tensor:
+def _grouped(experts: Callable, x: torch.Tensor, received: torch.Tensor, tp_group=None) -> torch.Tensor:
     """Experts' outputs for rows x that came from each source (received[source, expert] rows each, sorted by
     expert within a source), in arrival order: grouped by expert for one grouped computation, and back."""
     world, local = received.shape
@@ -172,7 +234,7 @@ def _grouped(experts: nn.Module, x: torch.Tensor, received: torch.Tensor, tp_gro
     return y[torch.argsort(by_expert)]
 
 
-def dispatch(experts: nn.Module, rows: torch.Tensor, counts: torch.Tensor, group, tp_group=None) -> torch.Tensor:
+def dispatch(experts: Callable, rows: torch.Tensor, counts: torch.Tensor, group, tp_group=None) -> torch.Tensor:
     """The experts' outputs for `rows` (sorted by global expert, counts[e] of expert e), computed on the
     ranks holding the experts: rows out, grouped computation there (over tp too under expert tensor
     parallelism: `run_experts`), rows back."""

@@ -21,6 +21,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch import nn
 
 from megalm.distributed.comm import all_reduce_sum
+from megalm.distributed.mesh import replica_mesh
 
 
 def _all_reduce_coalesced(grads: List[torch.Tensor], group, scale: float = 1.0) -> None:
@@ -47,7 +48,6 @@ def finalize_grads(model: nn.Module, mesh, layout) -> None:
     (the trainer uses megalm.parallel.data.DataParallel, which overlaps the dp reduction)."""
     if mesh is None:
         return
-    from megalm.distributed.mesh import replica_mesh
     tp, dp = mesh["tp"], replica_mesh(mesh)
     group = layout.embedding_group
     tied = []

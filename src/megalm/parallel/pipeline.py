@@ -3,7 +3,7 @@ with the schedules of `torch.distributed.pipelining` (GPipe, 1F1B, interleaved 1
 
 Each rank keeps ONE model module holding just its layers (they keep their global keys; the
 modules the family runs before the layers live on the first stage, those after them on the
-last: megalm.models.family.Parts), so parameter names, the optimizer and checkpoints look the
+last: megalm.family.Parts), so parameter names, the optimizer and checkpoints look the
 same as at pp = 1. The pipeline stages handed to the schedule are thin views that run the
 model's own forward over a layer range (`part=`); with virtual stages (interleaved schedules) a
 rank holds v of them: rank r runs virtual stages r, r + pp, r + 2 pp, ... as in Megatron
@@ -27,7 +27,7 @@ from torch import nn
 
 from megalm.config import ParallelConfig
 from megalm.distributed.comm import record_p2p
-from megalm.models.family import Part, Parts
+from megalm.family import Family, Part, Parts
 from megalm.parallel.context import weighted_loss
 from megalm.parallel.stages import MULTI_STAGE, virtual_stages_of
 
@@ -77,7 +77,6 @@ class Pipeline:
     num_stages: int
     owner: List[int]  # global rank running each stage
     rank: int
-    loss_scale: float = 1.0  # fp16: the trainer's current loss scale
     metrics_fn: Optional[object] = None  # the model's loss_and_metrics(output, batch), when it reports any
     num_metrics: int = 0
     optional: Tuple[str, ...] = ()  # batch keys the first stage also takes when the batch has them
@@ -87,6 +86,7 @@ class Pipeline:
     last_metrics: Optional[torch.Tensor] = None
     """The mean of the model's metrics over the last step's micro-batches, on every pp rank."""
     _batch: Optional[Dict[str, torch.Tensor]] = None  # the batch of the step in flight
+    _loss_scale: float = 1.0  # and its fp16 loss scale (step's argument)
     _metrics: Optional[List[torch.Tensor]] = None
 
     def _micro_batch_loss(self, output, index: torch.Tensor) -> torch.Tensor:
@@ -103,12 +103,12 @@ class Pipeline:
         """The schedule's loss: scaled by 1/m here rather than by the schedule's gradient scaling,
         which runs once per stage and would scale a weight shared by two stages of one rank (ZBV's
         tied embedding and head) twice; the fp16 loss scale multiplies in here too."""
-        return self._micro_batch_loss(output, index) * (self.loss_scale / self.n_microbatches)
+        return self._micro_batch_loss(output, index) * (self._loss_scale / self.n_microbatches)
 
-    def step(self, batch: Dict[str, torch.Tensor], train: bool = True) -> torch.Tensor:
+    def step(self, batch: Dict[str, torch.Tensor], train: bool = True, loss_scale: float = 1.0) -> torch.Tensor:
         """Run a batch (dict of (B, ...) tensors) split into the schedule's micro-batches; the mean
-        loss on every pp rank."""
-        self._batch, self._metrics = batch, []
+        loss on every pp rank. `loss_scale`: fp16's current loss scale, which the losses carry in backward."""
+        self._batch, self._metrics, self._loss_scale = batch, [], loss_scale
         try:
             if not train:
                 return self._forward_only(batch)
@@ -118,9 +118,10 @@ class Pipeline:
                                target=index if self.has_last else None,
                                losses=losses if self.has_last else None, return_outputs=False)
             # The schedule's loss is each micro-batch's mean x scale / n_microbatches: undo both.
-            return self._share([l.detach().float() * (self.n_microbatches / self.loss_scale) for l in losses])
+            return self._share([l.detach().float() * (self.n_microbatches / loss_scale) for l in losses])
         finally:
             self._batch = self._metrics = None
+            self._loss_scale = 1.0
 
     @torch.no_grad()
     def _forward_only(self, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
@@ -214,11 +215,11 @@ def count_stage_p2p(stage) -> None:
         setattr(stage, name, counted)  # on the instance: the schedule calls it by name
 
 
-def build_pipeline(model: nn.Module, layout, group, cfg: ParallelConfig, n_microbatches: int, device) -> Pipeline:
-    """The schedule over this rank's stages of `layout` (megalm.parallel.Layout)."""
+def build_pipeline(model: nn.Module, family: Family, layout, group, cfg: ParallelConfig, n_microbatches: int,
+                   device) -> Pipeline:
+    """The schedule over this rank's stages of `layout` (megalm.parallel.Layout) of `model`, a model of
+    `family`."""
     from torch.distributed import pipelining as pl
-    from megalm.models import family_of
-    family = family_of(model.cfg.arch)
     parts = family.parts
     stage_ranges, stage_ids, num_stages = layout.stage_ranges, layout.stage_ids, layout.num_stages
     stages = [pl.PipelineStage(StageView(model, parts, stage_ranges[s], s == 0, s == num_stages - 1), s, num_stages,

@@ -10,7 +10,7 @@ torch.utils.checkpoint restores the default RNG for the replay, so dropout on re
 activations draws the same masks. Dropout in tensor-parallel regions draws from the TPRNG
 "tp" stream instead, which checkpoint does not know: `recompute_forward` saves that stream at the
 forward and replays it, then puts the stream back where training had moved it. Inside a compiled
-graph the tp forks draw from the default generator (megalm.parallel.tp_plan.ForkRNG), whose draws
+graph the tp forks draw from the default generator (megalm.parallel.styles.ForkRNG), whose draws
 the compiled checkpoint replays itself, so the plain checkpoint serves there.
 """
 
@@ -21,6 +21,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megalm.config import ParallelConfig
+from megalm.family import Parts
+from megalm.parallel.styles import ForkRNG
 
 
 def recompute_forward(module: nn.Module, rng=None) -> None:
@@ -29,7 +31,6 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     The forward is replaced on the instance rather than the module wrapped, so parameter names
     (`blocks.3.attn.qkv.weight`) stay the same with and without recomputation.
     """
-    from megalm.parallel.tp_plan import ForkRNG
     inner = module.forward
     # Tensor parallelism wrapped the module before recomputation does (megalm.parallel.parallelize).
     forks = [m for m in module.modules() if isinstance(m, ForkRNG)] if rng is not None else []
@@ -60,15 +61,12 @@ def recompute_forward(module: nn.Module, rng=None) -> None:
     module.forward = forward
 
 
-def apply_recompute(model: nn.Module, cfg: ParallelConfig, layout) -> None:
+def apply_recompute(model: nn.Module, parts: Parts, cfg: ParallelConfig, layout) -> None:
     """Wrap layers (full) or the family's selective submodules of each layer (the attention core)
-    of `model` in place; `layout` (megalm.parallel.Layout) says which stages this rank runs and
-    holds the tp streams."""
+    of `model` in place, by its family's `parts`; `layout` (megalm.parallel.Layout) says which stages
+    this rank runs and holds the tp streams."""
     if cfg.recompute == "none":
         return
-    from megalm.models import family_of
-    from megalm.parallel.tp_plan import ForkRNG
-    parts = family_of(model.cfg.arch).parts
     layers = getattr(model, parts.layers)
     if cfg.recompute == "selective":
         for layer in layers.values():

@@ -35,14 +35,13 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from megalm.distributed.comm import bucket_all_gather
+from megalm.family import Parts
 from megalm.parallel.data import Bucket, DataParallel, capped_groups
 
 
-def model_units(model: nn.Module) -> List[nn.Module]:
-    """The modules whose parameters are gathered together, in forward order (this stage's part):
-    each of the family's first-stage modules, each layer, each last-stage module (megalm.models.family.Parts)."""
-    from megalm.models import family_of
-    parts = family_of(model.cfg.arch).parts
+def model_units(model: nn.Module, parts: Parts) -> List[nn.Module]:
+    """The modules whose parameters are gathered together, in forward order (this stage's part): each
+    of the family's first-stage modules, each layer, each last-stage module (its megalm.family.Parts)."""
     held = [getattr(model, name) for name in parts.first]
     held += list(getattr(model, parts.layers).values())
     held += [getattr(model, name) for name in parts.last]
@@ -52,8 +51,8 @@ def model_units(model: nn.Module) -> List[nn.Module]:
 class FullyShardedDataParallel(DataParallel):
     """DataParallel with zero_stage 3: weights, gradients and optimizer state sharded over dp."""
 
-    def __init__(self, model: nn.Module, mesh, layout, bucket_size_mb: float = 25.0):
-        self.units = model_units(model)
+    def __init__(self, model: nn.Module, parts: Parts, mesh, layout, bucket_size_mb: float = 25.0):
+        self.units = model_units(model, parts)
         super().__init__(model, mesh, layout, zero_stage=3, bucket_size_mb=bucket_size_mb)
         self.unit_buckets: Dict[nn.Module, List[Bucket]] = {}
         for unit in self.units:

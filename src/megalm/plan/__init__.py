@@ -43,7 +43,8 @@ def compose(overrides: List[str], gpus: Optional[int] = None):
     (`gpus` ranks when given, parallel.dp then filling what tp x pp leaves)."""
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
-    from megalm.config import conf_dir, register_configs
+    from megalm.config import conf_dir
+    from megalm.models.registry import register_configs
     from megalm.launch import ranks_needed
     from megalm.validation import reject_unknown_keys, validate
     from megalm.cli import raise_explained
@@ -77,13 +78,13 @@ def rank_params(cfg, world: int, rank: int) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megalm.distributed.mesh import build_mesh
-    from megalm.models import build_model
+    from megalm.models import build_model, family_of
     from megalm.parallel import parallelize
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         mesh = build_mesh(_dims(cfg, world), "cpu")
         model = build_model(cfg.model, device="meta")
-        parallelize(model, mesh, cfg.parallel, seed=cfg.trainer.seed)
+        parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel, seed=cfg.trainer.seed)
         return sum(p.numel() for p in model.parameters())
     finally:
         dist.destroy_process_group()

@@ -297,7 +297,8 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     precision."""
     import torch
     from megalm.models import build_model
-    from megalm.models.family import Part, family_of
+    from megalm.family import Part
+    from megalm.models.registry import family_of
     from megalm.training.precision import autocast
     m, t = cfg.model, cfg.trainer
     key = repr((m, t.micro_batch_size, t.precision, fake))
@@ -580,7 +581,7 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
 def _unfused(m, tr, device: str) -> bool:
     """Whether the run's attention is the unfused one (model.attention_backend, `auto` resolved as the layers do)."""
     import torch
-    from megalm.models.layers import attention_backend
+    from megalm.ops.attention import attention_backend
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.precision, torch.float32)
     return attention_backend(getattr(m, "attention_backend", "sdpa"), device, dtype, tr.compile != "none") == "unfused"
 
@@ -636,7 +637,7 @@ def _unfused_core(d: _Shape) -> float:
     Causal self-attention of CAUSAL_SPLIT_MIN tokens or more without dropout runs as two query halves, the first
     against the first half of the keys: scores and masks are 3/4 of the whole, and k and v, where the fold copies
     them, are copied once more for the first half (kv / 2 each)."""
-    from megalm.models.layers import CAUSAL_SPLIT_MIN  # here: the formulas import no torch until they need it
+    from megalm.ops.attention import CAUSAL_SPLIT_MIN  # here: the formulas import no torch until they need it
     h, kv, e, t = d.h, d.kv, d.e, d.t
     grouped = d.groups > 1
     split = not d.bert and d.attention_dropout == 0 and d.s >= CAUSAL_SPLIT_MIN and d.s % 2 == 0
@@ -1197,9 +1198,8 @@ def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0, c
 def _read_layout(cfg, dims, rank: int) -> RankLayout:
     import torch.distributed as dist
     from megalm.distributed.mesh import build_mesh
-    from megalm.models import build_model
-    from megalm.parallel import parallelize
-    from megalm.parallel.data import build_data_parallel
+    from megalm.models import build_model, family_of
+    from megalm.parallel import build_data_parallel, parallelize
     p = cfg.parallel
     world = dims.world_size
     if world > 1:
@@ -1211,7 +1211,7 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
     try:
         mesh = build_mesh(dims, "cpu") if world > 1 else None
         model = build_model(cfg.model, device="meta")
-        layout = parallelize(model, mesh, p, seed=cfg.trainer.seed)
+        layout = parallelize(model, family_of(model.cfg.arch), mesh, p, seed=cfg.trainer.seed)
         params = list(model.parameters())
         v = len(layout.stage_ids)
         owner = tuple(next(r for r in range(dims.pp) if s in virtual_stages_of(r, dims.pp, v, p.pipeline_schedule))
@@ -1225,7 +1225,7 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
         if mesh is None:
             return RankLayout(**fields)
         # The bucket layout of a run (parallel/data.py, zero3.py), built on the meta device.
-        dp = build_data_parallel(model, mesh, layout, p.zero_stage, p.bucket_size_mb)
+        dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, p.zero_stage, p.bucket_size_mb)
         tied = layout.tied_param(model)
         if dp.sharded:
             grads = [(s.tensor, s.stop - s.start, s.param is tied) for s in dp.shards]

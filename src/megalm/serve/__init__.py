@@ -10,7 +10,7 @@ steps and none waits on a request it never saw. SIGTERM or Ctrl-C stops taking r
 those in flight, stops the other ranks, and exits 0. Needs the `megalm[serve]` extra (FastAPI,
 uvicorn).
 
-An encoder-decoder run (model.arch=t5) reads each prompt as its source and answers with the
+An encoder-decoder run (a family of kind encoder-decoder: T5) reads each prompt as its source and answers with the
 decoder's output (a translation, a summary), to [EOS] or max_tokens; it is served by
 `Seq2SeqEngine`, on one process. Chat, echo and scoring prompts belong to decoder models and are
 answered 400 for it.
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from megalm.errors import ConfigError, cli_errors
+from megalm.models.registry import family_of
 
 PROG = "megalm.serve"
 log = logging.getLogger("megalm.serve")
@@ -34,16 +35,19 @@ RANK_WAIT_S = 365 * 24 * 3600.0  # the other ranks wait for rank 0's next forwar
 
 
 def _check(cfg, run_dir, layout: bool = False) -> None:
-    arch = cfg.model.arch
-    if arch == "t5":
+    """A run this server can generate with: a decoder language model (at any layout), or an encoder-decoder
+    one (in one process); its family's kind decides, so a new decoder family is served as GPT is."""
+    kind = family_of(cfg.model.arch).kind
+    if kind == "encoder-decoder":
         if layout:
-            raise ConfigError(f"{run_dir} is an encoder-decoder model (model.arch=t5), which megalm.serve runs on "
-                              "one process: drop --tp / --pp")
+            raise ConfigError(f"{run_dir} is an encoder-decoder model (model.arch={cfg.model.arch}), which "
+                              "megalm.serve runs on one process: drop --tp / --pp")
         return
-    if arch != "gpt" or getattr(cfg.model, "fine_tuning_head", False):
-        raise ConfigError(f"megalm.serve generates text with decoder language models (model.arch=gpt) and "
-                          f"encoder-decoder ones (t5); {run_dir} is model.arch={arch}"
-                          + (" with a fine-tuning head" if arch == "gpt" else ""))
+    head = getattr(cfg.model, "fine_tuning_head", False)
+    if kind != "decoder" or head:
+        raise ConfigError(f"megalm.serve generates text with decoder language models and encoder-decoder ones; "
+                          f"{run_dir} is model.arch={cfg.model.arch}, "
+                          + ("a decoder with a fine-tuning head" if kind == "decoder" else f"an {kind}"))
 
 
 def _check_address(host: str, port: int) -> None:
@@ -86,7 +90,7 @@ def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int 
         cfg, model, tok, state = load_for_generation(Path(run_dir), device)
         _check(cfg, run_dir)
     from megalm.serve.api import Server, create_app
-    if cfg.model.arch == "t5":
+    if family_of(cfg.model.arch).kind == "encoder-decoder":
         from megalm.serve.engine import Seq2SeqEngine
         engine: Engine = Seq2SeqEngine(model, tok, slots=slots, max_queue=max_queue, seed=seed)
     else:
@@ -142,7 +146,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.tp * args.pp == 1:
             return serve(args.run_dir, args.host, args.port, **options)
         from megalm.evaluate.layout import check_layout, on_ranks
-        from megalm.generate import load_run_config
+        from megalm.models.registry import load_run_config
         _check(load_run_config(args.run_dir), args.run_dir, layout=True)  # before the layout's own checks
         check_layout(args.run_dir, args.tp, args.pp)
         if "RANK" not in os.environ:  # the ranks start here: pass SIGTERM on; Ctrl-C reaches them itself

@@ -32,6 +32,8 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalm.models.layers import Encoded
+
 log = logging.getLogger("megalm.serve")
 
 
@@ -379,7 +381,6 @@ class Seq2SeqEngine(Engine):
         super().submit(request)
 
     def _logits(self, tokens: torch.Tensor, slots: List[int], starts: List[int]) -> torch.Tensor:
-        from megalm.models.t5 import Encoded
         slots_t, starts_t = torch.tensor(slots, device=self.device), torch.tensor(starts, device=self.device)
         rows = self.cache.rows(slots_t, starts_t, tokens.shape[1])
         n = max(self.source_lengths[s] for s in slots)  # the longest source of these rows; the mask hides the rest

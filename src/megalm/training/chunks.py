@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megalm.parallel.tensor import TPShard
+from megalm.distributed.shards import TPShard
 
 Block = Tuple[Tuple[int, ...], torch.Tensor]  # (global offsets, a view of this rank's memory)
 

@@ -10,7 +10,7 @@ the data-parallel gradient hooks see the same modules as eagerly.
 
 Tensor and sequence parallelism compile into whole graphs: their collectives are traced as functional
 collectives (megalm.distributed.comm), and dropout that draws per tp rank takes its rank's share of one
-draw from the default generator instead of forking a stream (megalm.parallel.tp_plan.ForkRNG).
+draw from the default generator instead of forking a stream (megalm.parallel.styles.ForkRNG).
 Recomputation compiles too (torch.utils.checkpoint, which replays the graph's random draws itself).
 
 Dynamo falls back to eager execution by itself around what it cannot trace (a graph break); the count
@@ -28,6 +28,8 @@ from typing import Dict, List, Optional
 
 from torch import nn
 
+from megalm.family import Parts
+
 log = logging.getLogger(__name__)
 
 MODES = ("none", "model", "blocks")
@@ -42,22 +44,21 @@ def _backend_usable(backend: str, device_type: str) -> Optional[str]:
     return None
 
 
-def compile_targets(model: nn.Module, mode: str, pipeline=None) -> List[nn.Module]:
-    """The modules `mode` compiles on this rank (see the module docstring)."""
-    from megalm.models.family import family_of
+def compile_targets(model: nn.Module, parts: Parts, mode: str, pipeline=None) -> List[nn.Module]:
+    """The modules `mode` compiles on this rank (see the module docstring); `parts`: its family's."""
     if mode == "none":
         return []
     if mode == "blocks":
-        return list(getattr(model, family_of(model.cfg.arch).parts.layers).values())
+        return list(getattr(model, parts.layers).values())
     if mode == "model":
         return [stage.submod for stage in pipeline.stages] if pipeline is not None else [model]
     raise ValueError(f"trainer.compile={mode!r}; choose one of {', '.join(MODES)}")
 
 
-def apply_compile(model: nn.Module, mode: str, backend: str, device_type: str, pipeline=None) -> int:
+def apply_compile(model: nn.Module, parts: Parts, mode: str, backend: str, device_type: str, pipeline=None) -> int:
     """Compile this rank's `compile_targets` in place with `backend`; returns how many were compiled
     (0 when `mode` is none or the backend cannot run here, which is logged)."""
-    targets = compile_targets(model, mode, pipeline)
+    targets = compile_targets(model, parts, mode, pipeline)
     if not targets:
         return 0
     why = _backend_usable(backend, device_type)

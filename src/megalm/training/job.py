@@ -31,7 +31,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, flops_per_token, init_weights
-    from megalm.models.family import family_of
+    from megalm.models.registry import family_of
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer
     from megalm.training.cpu_memory import apply_cpu_allocator
@@ -79,7 +79,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
                       num_samples=num_samples_for(t.max_steps, t.global_batch_size, t.eval_interval, t.eval_steps),
                       samples=samples)
     model = build_model(cfg.model, device="meta")
-    layout = parallelize(model, mesh, cfg.parallel, seed=t.seed)
+    layout = parallelize(model, family, mesh, cfg.parallel, seed=t.seed)
     check_host_memory(cfg, sum(p.numel() for p in model.parameters()), dims.dp, device)  # still on meta: free
     materialize(model, device)
     init_weights(model, cfg.model, t.seed)
@@ -90,17 +90,17 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     pipeline = None
     if dims.pp > 1:
         from megalm.parallel.pipeline import build_pipeline
-        pipeline = build_pipeline(model, layout, mesh["pp"].get_group(), cfg.parallel,
+        pipeline = build_pipeline(model, family, layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
     from megalm.training.compiling import apply_compile
-    apply_compile(model, t.compile, t.compile_backend, device.type, pipeline)
-    from megalm.parallel.data import build_data_parallel
-    data_parallel = build_data_parallel(model, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    apply_compile(model, family.parts, t.compile, t.compile_backend, device.type, pipeline)
+    from megalm.parallel import build_data_parallel
+    data_parallel = build_data_parallel(model, family, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     peak = peak_flops_for(cfg.cluster, t.precision, device)
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
-        checkpointer=checkpointer, mesh=mesh, layout=layout, pipeline=pipeline, data_parallel=data_parallel,
+        family=family, checkpointer=checkpointer, mesh=mesh, layout=layout, pipeline=pipeline, data_parallel=data_parallel,
         throughput=Throughput(flops_per_token(cfg.model), peak, dims.world_size), device=device,
         is_rank0=rank == 0, run_dir=run_dir, prefetch=cfg.data.prefetch)
     if start.path is not None:

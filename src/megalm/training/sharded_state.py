@@ -24,7 +24,7 @@ from typing import Any, Dict, Optional
 import torch
 from torch import nn
 
-from megalm.models.family import family_of
+from megalm.models.registry import family_of
 from megalm.training.chunks import Chunked, place
 
 

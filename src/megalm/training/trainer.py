@@ -17,6 +17,8 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from megalm.config import TrainerConfig
 from megalm.data.provenance import tokenizer_record
 from megalm.errors import TrainingError
+from megalm.family import Family
+from megalm.ops.routing import RoutingRecord, routing_step
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.parallel.context import weighted_loss
@@ -36,7 +38,7 @@ def stopped_on_signal() -> bool:
 
 
 class Trainer:
-    def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, cfg: TrainerConfig, *, model: torch.nn.Module, family: Family, optimizer: torch.optim.Optimizer,
                  schedule: LRSchedule, data, checkpointer: Checkpointer, throughput: Throughput,
                  device: torch.device, metrics: Optional[MetricLogger] = None, mesh=None, layout=None,
                  pipeline=None, data_parallel=None, is_rank0: bool = True, run_dir: Optional[Path] = None,
@@ -52,19 +54,18 @@ class Trainer:
         self.device, self.is_rank0, self.mesh, self.layout, self.pipeline = device, is_rank0, mesh, layout, pipeline
         self.pp_group = mesh["pp"].get_group() if mesh is not None and mesh["pp"].size() > 1 else None
         self.data_parallel = data_parallel
-        from megalm.models import family_of
-        family = family_of(model.cfg.arch)
         self.inputs = family.inputs  # the batch keys the model's forward takes
         self.optional_inputs = family.optional_inputs  # and those it takes when a batch has them
         self.metric_names = tuple(getattr(model, "metric_names", ()))  # what model.loss_and_metrics reports
-        self.moe = getattr(model, "moe_stats", None)  # a mixture of experts' routing record (megalm.models.moe)
+        self.num_experts = getattr(model.cfg, "num_experts", 0)  # a mixture of experts: its routing is reported
         # The tensors holding the final gradients: the parameters, or this rank's ZeRO shards of them.
         self.params = data_parallel.grad_params if data_parallel is not None else list(model.parameters())
         self.shard_group = data_parallel.dp_group if data_parallel is not None and data_parallel.sharded else None
         self.tp_group = mesh["tp"].get_group() if mesh is not None else None
         # Samples are split over dp; the loss is averaged over dp x cp, whose ranks each hold part of a sample
-        # (context parallelism: megalm.parallel.context) and weight their losses to it.
-        self.context = getattr(model, "context", None)
+        # (context parallelism: megalm.parallel.context, this rank's place in the layout) and weight their losses
+        # to it.
+        self.context = getattr(layout, "context", None)
         from megalm.distributed.mesh import replica_mesh
         self.dp_group = replica_mesh(mesh).get_group() if mesh is not None else None
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
@@ -82,8 +83,6 @@ class Trainer:
         if cfg.precision == "fp16":
             self.scaler = DynamicLossScaler(cfg.initial_loss_scale, cfg.loss_scale_window, cfg.hysteresis,
                                             cfg.min_loss_scale, static=cfg.loss_scale)
-        if pipeline is not None:
-            pipeline.loss_scale = self.scaler.scale if self.scaler else 1.0
         self.skipped_steps = 0
         self.skips_in_a_row = 0
         self.run_dir = run_dir
@@ -156,31 +155,30 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         extra = torch.zeros(len(self.metric_names), device=self.device) if self.metric_names else None
         scale = self.scaler.scale if self.scaler is not None else 1.0
-        if self.moe is not None:  # the routers' aux losses count as the loss does: per micro-batch, loss-scaled
-            self.moe.reset()
-            # Context parallelism averages gradients over cp ranks whose aux losses are parts of the whole: x cp.
-            self.moe.grad_scale = scale / len(micro_batches) * (self.context.size if self.context is not None else 1)
-        if self.pipeline is not None:
-            # The schedule splits the batch into the same micro-batches and averages their gradients.
-            self.pipeline.loss_scale = scale
-            joined = self._joined(micro_batches)
-            timer.phase("pipeline")  # forward and backward interleave in the schedule: compute + idle
-            with self._autocast():
-                total = self.pipeline.step(joined)
-            timer.phase("other")
-            extra = self.pipeline.last_metrics
-        else:
-            for batch in micro_batches:
-                timer.phase("forward")
+        # A mixture's aux losses count as the loss does: per micro-batch, loss-scaled, and x cp, since context
+        # parallelism averages gradients over cp ranks whose aux losses are parts of the whole (megalm.ops.routing).
+        aux_scale = scale / len(micro_batches) * (self.context.size if self.context is not None else 1)
+        with routing_step(aux_scale) as routing:
+            if self.pipeline is not None:
+                # The schedule splits the batch into the same micro-batches and averages their gradients.
+                joined = self._joined(micro_batches)
+                timer.phase("pipeline")  # forward and backward interleave in the schedule: compute + idle
                 with self._autocast():
-                    loss, values = self._loss(batch)
-                    loss = loss / len(micro_batches)
-                timer.phase("backward")
-                (loss * scale if scale != 1.0 else loss).backward()
+                    total = self.pipeline.step(joined, loss_scale=scale)
                 timer.phase("other")
-                total += loss.detach()
-                if values is not None:
-                    extra += values / len(micro_batches)
+                extra = self.pipeline.last_metrics
+            else:
+                for batch in micro_batches:
+                    timer.phase("forward")
+                    with self._autocast():
+                        loss, values = self._loss(batch)
+                        loss = loss / len(micro_batches)
+                    timer.phase("backward")
+                    (loss * scale if scale != 1.0 else loss).backward()
+                    timer.phase("other")
+                    total += loss.detach()
+                    if values is not None:
+                        extra += values / len(micro_batches)
         timer.phase("optimizer")
         if self.data_parallel is not None:
             self.data_parallel.finish()  # wait for the dp reductions; sum tp / embedding replicas
@@ -207,15 +205,15 @@ class Trainer:
                **self._named(extra)}
         if self.scaler is not None:
             out.update(loss_scale=scale, skipped=int(overflow), skipped_steps=self.skipped_steps)
-        if self.moe is not None:
-            out.update(self._moe_report(len(micro_batches)))
+        if self.num_experts:
+            out.update(self._moe_report(routing, len(micro_batches)))
         return out
 
-    def _moe_report(self, micro_batches: int) -> Dict[str, float]:
+    def _moe_report(self, routing: RoutingRecord, micro_batches: int) -> Dict[str, float]:
         """The step's routing: aux and z losses (summed over layers, each stage's, averaged over micro-batches
         and dp), the share of assignments dropped, the busiest expert's load over the mean (the most of any
         layer and micro-batch), and the assignments each expert took (summed over layers and the whole batch)."""
-        values = self.moe.values(micro_batches, self.model.cfg.num_experts).to(self.device)
+        values = routing.values(micro_batches, self.num_experts).to(self.device)
         sums, load = torch.cat([values[:4], values[5:]]), values[4:5].clone()
         # Summed over stages (their layers) and over tp and cp (each rank's tokens: parts of the micro-batch's
         # losses), averaged over dp.

@@ -7,72 +7,21 @@ are the same at every parallel layout: `blocks.7.attn.qkv.weight` is layer 7 eve
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
-
 import functools
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
 from megalm.config import ModelConfig
-from megalm.errors import ConfigError, did_you_mean
-from megalm.models.family import Family, Part, Parts
+from megalm.family import Part
 from megalm.models.flops import flops_per_token as transformer_flops
-from megalm.models.fused_loss import LMHead
-from megalm.models.losses import LMLoss, classification_loss, fold_choices
 from megalm.models.init import init_by_name
-from megalm.models.layers import Block, Embedding, KVCache, build_norm, rope_tables
-
+from megalm.models.layers import Block, Embedding, KVCache, LMHead, build_norm, rope_tables
+from megalm.models.losses import LMLoss, classification_loss, fold_choices
+from megalm.models.moe import MoE
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight")  # rows = padded vocabulary
-POSITION_EMBEDDINGS = ("learned", "rope")
-
-
-@dataclass
-class GPTConfig(ModelConfig):
-    """GPT's model schema: the shared transformer fields and its own."""
-    arch: str = "gpt"
-    """gpt (decoder-only; GPT-2/3 and Llama-style presets)."""
-    position_embedding: str = "learned"
-    """learned | rope."""
-    rope_theta: float = 10000.0
-    """RoPE base frequency (Llama 2: 1e4, Llama 3: 5e5)."""
-    tie_embeddings: bool = True
-    """Share the input embedding with the output head."""
-    num_labels: int = 0
-    """0: the language-model head; N >= 2: a classifier over N classes, 1: a regressor, read at the last real
-    token (fine-tuning; data=classification)."""
-    num_choices: int = 0
-    """0: not multiple choice; N >= 2: each example is N (context, choice) sequences, one score each at its
-    last token, softmax over the N (fine-tuning)."""
-    fused_loss: bool = False
-    """Training computes the head and cross-entropy together, loss_chunk_tokens tokens at a time, never holding the
-    whole logits (megalm.models.fused_loss); the same loss and gradients. Off by default: docs/PERFORMANCE.md."""
-    loss_chunk_tokens: int = 1024
-    """Tokens per chunk of the fused loss: its logits, (chunk, vocabulary / tp) in fp32, are the most it holds."""
-    fused_loss_backward: str = "in_forward"
-    """in_forward | recompute: the fused loss makes its gradients in forward (three matmuls, as unfused; keeps the
-    input gradient and an fp32 weight gradient until backward) or recomputes each chunk's logits in backward (four;
-    keeps the head input alone: the smaller store when many micro-batches await backward at a large vocabulary)."""
-    num_experts: int = 0
-    """0: a dense MLP in every layer; E >= 2: a mixture of E experts of ffn_size each (megalm.models.moe)."""
-    moe_router_topk: int = 2
-    """Experts each token runs (Mixtral: 2)."""
-    moe_router_score_function: str = "softmax"
-    """softmax | sigmoid: how router logits become scores (the k chosen are renormalised to sum to 1)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Load-balancing loss coefficient (Megatron's --moe-aux-loss-coeff; 1e-2 is usual, 0: off)."""
-    moe_z_loss_coeff: float = 0.0
-    """Router z-loss coefficient (Megatron's --moe-z-loss-coeff; 1e-3 is usual, 0: off)."""
-    moe_capacity_factor: Optional[float] = None
-    """None: dropless (every assignment runs); f > 0: each expert takes ceil(f x tokens x k / E) assignments, its
-    highest-scored, and drops the rest."""
-
-    @property
-    def fine_tuning_head(self) -> bool:
-        """A classifier or a multiple-choice scorer replaces the language-model head."""
-        return bool(self.num_labels or self.num_choices)
 
 
 class GPT(nn.Module):
@@ -84,14 +33,10 @@ class GPT(nn.Module):
         V = cfg.padded_vocab_size
         h = cfg.hidden_size
         self.embed: Optional[Embedding] = Embedding(cfg, V)
-        self.moe_stats = None
-        if getattr(cfg, "num_experts", 0):
-            from megalm.models.moe import MoE, MoEStats
-            self.moe_stats = MoEStats()  # what the layers' routers report, and their aux losses' gradient scale
         self.blocks = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
-        if self.moe_stats is not None:
+        if getattr(cfg, "num_experts", 0):  # a mixture of experts in place of each MLP
             for i, block in self.blocks.items():
-                block.mlp = MoE(cfg, self.moe_stats, int(i))
+                block.mlp = MoE(cfg, int(i))
         self.norm: Optional[nn.Module] = build_norm(cfg)
         self.head: Optional[nn.Linear] = LMHead(h, V, bias=False)
         self.criterion: Optional[nn.Module] = LMLoss(cfg.vocab_size)
@@ -109,7 +54,6 @@ class GPT(nn.Module):
         runs the head fused with the cross-entropy; in eval mode the forward still returns logits."""
         self.tie_weights()
         self._rope: Dict[Tuple[torch.device, int], Tuple[torch.Tensor, torch.Tensor]] = {}
-        self.context = None  # context parallelism (megalm.parallel.context): this rank's place in the sequence
 
     def tie_weights(self) -> None:
         """Share embedding and head weights (megalm.parallel.materialize keeps shared weights shared)."""
@@ -158,10 +102,9 @@ class GPT(nn.Module):
             tokens, = fold_choices((tokens,), self.cfg.num_choices)
         positions, segments = packed if packed else (positions, None)
         if first:
-            # Context parallelism: this rank's tokens are two chunks of the sequence, at their own positions.
-            where = positions if positions is not None or self.context is None else \
-                self.context.positions(tokens.shape[1], tokens.device)
-            x = self.embed(tokens, start, where)  # (B, T, h), or a sequence shard under SP
+            # Under context parallelism (megalm.parallel.context) the embedding and the attention layers are
+            # given the positions of this rank's two chunks of the sequence where `positions` is None.
+            x = self.embed(tokens, start, positions)  # (B, T, h), or a sequence shard under SP
         else:
             x = tokens
         rope = self.rope(max(self.cfg.seq_length, start + (tokens.shape[1] if first else 0)), x.device)
@@ -236,89 +179,3 @@ def init_weights(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
     init_by_name(model, cfg, seed, VOCAB_PARAMS)
 
 
-def tp_plan(cfg: ModelConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
-    """Megatron's tensor-parallel layout of GPT (arXiv:1909.08053, sec. 3; sequence parallel:
-    arXiv:2205.05198): in each block the fused QKV and the MLP's first linear are column-parallel
-    (whole heads, a slice of the ffn), the attention output and the second linear row-parallel;
-    the embedding, head and loss are vocabulary-parallel."""
-    from megalm.parallel.tp_plan import (ColumnParallel, GatherSequence, RowParallel, ScatterSequence, SequenceParallelParams,
-                                         TPRandom, VocabParallel, VocabParallelLoss)
-    rows = cfg.padded_vocab(tp)
-    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
-    learned_pos = cfg.position_embedding == "learned"
-    plan: List[Tuple[str, object]] = []
-    if sp and getattr(cfg, "fine_tuning_head", False):
-        plan += [("score", GatherSequence())]  # it reads each sequence's last real token: the whole sequence
-    if sp and not learned_pos:
-        # No position table to add after the lookup: reduce-scatter the partial sums straight
-        # into sequence shards (half the bytes of an all-reduce) and drop out on the shard.
-        plan += [("embed.tok", VocabParallel(rows, reduce="reduce_scatter")), ("embed.drop", TPRandom())]
-    else:
-        plan += [("embed.tok", VocabParallel(rows))]
-        if sp:  # positions and dropout on the full (replicated) sequence, then keep this rank's part
-            plan += [("embed", ScatterSequence())]
-    plan += [
-        ("blocks.*.attn.qkv", ColumnParallel(segments=(q, kv, kv))),
-        ("blocks.*.attn.proj", RowParallel()),
-        ("blocks.*.attn.core", TPRandom()),  # attention dropout over this rank's heads
-        ("blocks.*.mlp.fc1", ColumnParallel(segments=(f, f) if cfg.activation == "swiglu" else None)),
-        ("blocks.*.mlp.fc2", RowParallel()),
-    ]
-    if sp:
-        plan += [(f"blocks.*.{name}", TPRandom()) for name in ("attn.dropout", "mlp.dropout")]
-        plan += [(name, SequenceParallelParams()) for name in ("blocks.*.norm1", "blocks.*.norm2", "norm")]
-    plan += [("head", ColumnParallel(rows=rows)), ("criterion", VocabParallelLoss(rows))]
-    return plan
-
-
-def validate(cfg, world_size: int) -> None:
-    m = cfg.model
-    if cfg.data.source == "qa":
-        raise ConfigError("data.source=qa trains BERT's span head (model=bert_* model.span_head=true); fine-tune GPT "
-                          "for question answering with data=sft")
-    if m.position_embedding not in POSITION_EMBEDDINGS:
-        raise ConfigError(f"model.position_embedding={m.position_embedding!r} is not one of "
-                          f"{', '.join(POSITION_EMBEDDINGS)}{did_you_mean(str(m.position_embedding), POSITION_EMBEDDINGS)}")
-    if m.head_dim % 2 and m.position_embedding == "rope":
-        raise ConfigError(f"rope needs an even head dim; hidden_size / heads = {m.head_dim}")
-    if m.num_experts:
-        _validate_moe(cfg)
-
-
-MOE_SCORES = ("softmax", "sigmoid")
-
-
-def _validate_moe(cfg) -> None:
-    m, p = cfg.model, cfg.parallel
-    if m.num_experts < 2:
-        raise ConfigError(f"model.num_experts={m.num_experts}: a mixture needs at least 2 experts (0: a dense MLP)")
-    if not 1 <= m.moe_router_topk <= m.num_experts:
-        raise ConfigError(f"model.moe_router_topk={m.moe_router_topk} must be in 1..model.num_experts={m.num_experts}")
-    if m.moe_router_score_function not in MOE_SCORES:
-        raise ConfigError(f"model.moe_router_score_function={m.moe_router_score_function!r} is not one of "
-                          f"{', '.join(MOE_SCORES)}")
-    for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
-        if getattr(m, key) < 0:
-            raise ConfigError(f"model.{key}={getattr(m, key)} must not be negative")
-    if m.moe_capacity_factor is not None and not m.moe_capacity_factor > 0:
-        raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} must be positive (or null: dropless)")
-    if getattr(m, "fine_tuning_head", False):
-        raise ConfigError("model.num_experts with a fine-tuning head is not supported; fine-tune a mixture of "
-                          "experts with its language-model head (data=sft)")
-    if p.tp > 1 and m.seq_length % (p.tp * p.cp):
-        raise ConfigError(f"model.num_experts={m.num_experts} with parallel.tp={p.tp}: each tp rank routes its share "
-                          f"of the sequence, which model.seq_length={m.seq_length} (per cp rank: / {p.cp}) must "
-                          "divide into")
-    for key, value in (("tp", p.tp), ("cp", p.cp)):
-        if value > 1 and m.moe_capacity_factor is not None:
-            raise ConfigError(f"model.moe_capacity_factor={m.moe_capacity_factor} with parallel.{key}={value}: an "
-                              f"expert's capacity is chosen over a micro-batch's tokens, which {key} splits over "
-                              "ranks; use dropless routing (model.moe_capacity_factor=null)")
-
-
-FAMILY = Family(
-    name="gpt", config=GPTConfig, build=GPT, init_weights=init_weights, validate=validate, flops_per_token=flops_per_token, tp_plan=tp_plan,
-    parts=Parts(layers="blocks", first=("embed",), last=("norm", "head", "criterion", "score"), selective=("attn.core",)),
-    samples=samples,
-    hf="megalm.models.gpt_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),),
-    optional_inputs=("position_ids", "segment_ids"))

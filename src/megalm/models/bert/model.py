@@ -15,49 +15,20 @@ first takes and returns (hidden states, padding mask).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalm.config import ModelConfig
-from megalm.errors import ConfigError
-from megalm.models.family import Family, Part, Parts
+from megalm.family import Part
+from megalm.models.bert.config import BertConfig
+from megalm.models.flops import flops_per_token as transformer_flops
 from megalm.models.init import init_by_name
 from megalm.models.layers import MLP, Attention, TableEmbedding, build_norm, gelu
 from megalm.models.losses import LMLoss, classification_loss, fold_choices, span_loss
 
 VOCAB_PARAMS = ("embed.tok.weight", "lm_head.out.weight", "lm_head.out.bias")  # rows = padded vocabulary
-NORM_POSITIONS = ("pre", "post")
-
-
-@dataclass
-class BertConfig(ModelConfig):
-    """BERT's model schema: the shared transformer fields and its own."""
-    arch: str = "bert"
-    """bert (bidirectional encoder, masked-LM pretraining)."""
-    activation: str = "gelu_exact"
-    """gelu_exact (erf, as Megatron's and Hugging Face's BERT) | gelu (tanh approximation) | swiglu."""
-    num_tokentypes: int = 2
-    """Token-type (segment) embeddings: 2 for sentence pairs, 0 for none."""
-    binary_head: bool = True
-    """The sentence-order prediction head and loss (Megatron's --bert-binary-head; samples then hold two segments)."""
-    norm_position: str = "pre"
-    """pre (Megatron: norm before each sub-layer, a final norm) | post (original BERT / Hugging Face)."""
-    num_labels: int = 0
-    """0: pretraining heads (MLM, sentence order); N >= 2: a classifier over N classes, 1: a regressor (fine-tuning)."""
-    num_choices: int = 0
-    """0: not multiple choice; N >= 2: each example is N (context, choice) sequences, one score each from the
-    pooled output, softmax over the N (Megatron's RACE model; fine-tuning)."""
-    span_head: bool = False
-    """Extractive QA (fine-tuning): start and end logits on every token (SQuAD), in place of the pretraining heads."""
-
-    @property
-    def fine_tuning_head(self) -> bool:
-        """A classifier, a multiple-choice scorer or a span head replaces the pretraining heads."""
-        return bool(self.num_labels or self.num_choices or self.span_head)
 
 
 class BertEmbedding(nn.Module):
@@ -227,61 +198,10 @@ def init_weights(model: nn.Module, cfg: BertConfig, seed: int) -> None:
 def flops_per_token(cfg: BertConfig, seq_length: Optional[int] = None) -> float:
     """megalm.models.flops's definition, with BERT's MLM head: its dense (h x h) and the output
     (h x V_padded) matmuls on every token (the pooler and binary head act on one token a sequence)."""
-    from megalm.models.flops import flops_per_token as transformer
     h = cfg.hidden_size
     if cfg.fine_tuning_head:  # no MLM head: a classifier on one token a sequence, or a span head's h x 2
-        return transformer(cfg, seq_length) - 6.0 * h * cfg.padded_vocab_size + (12.0 * h if cfg.span_head else 0.0)
-    return transformer(cfg, seq_length) + 6.0 * h * h
-
-
-def tp_plan(cfg: BertConfig, tp: int, sp: bool) -> List[Tuple[str, object]]:
-    """Megatron's layout for BERT: the blocks as GPT's (column-parallel QKV and first MLP linear,
-    row-parallel output and second linear), the embedding, MLM output and loss vocabulary-parallel;
-    pooler, MLM dense / norm and binary head replicated. Under sequence parallelism the MLM dense
-    and norm run on sequence shards (their gradients are partial), and the pooler gathers the
-    sequence to read token 0, as Megatron's BertModel does."""
-    from megalm.parallel.tp_plan import (ColumnParallel, GatherSequence, RowParallel, ScatterSequence,
-                                         SequenceParallelParams, TPRandom, VocabParallel, VocabParallelLoss)
-    rows = cfg.padded_vocab(tp)
-    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
-    plan: List[Tuple[str, object]] = [("embed.tok", VocabParallel(rows))]
-    if sp:  # positions, token types, dropout on the full (replicated) sequence, then this rank's part
-        plan += [("embed", ScatterSequence())]
-    plan += [
-        ("blocks.*.attn.qkv", ColumnParallel(segments=(q, kv, kv))),
-        ("blocks.*.attn.proj", RowParallel()),
-        ("blocks.*.attn.core", TPRandom()),  # attention dropout over this rank's heads
-        ("blocks.*.mlp.fc1", ColumnParallel(segments=(f, f) if cfg.activation == "swiglu" else None)),
-        ("blocks.*.mlp.fc2", RowParallel()),
-    ]
-    if sp:
-        plan += [(f"blocks.*.{name}", TPRandom()) for name in ("attn.dropout", "mlp.dropout")]
-        plan += [(name, SequenceParallelParams())
-                 for name in ("blocks.*.norm1", "blocks.*.norm2", "norm", "lm_head.dense", "lm_head.norm")]
-        plan += [("pooler", GatherSequence()), ("qa_head", GatherSequence())]
-    plan += [("lm_head.out", ColumnParallel(rows=rows)), ("criterion", VocabParallelLoss(rows))]
-    return plan
-
-
-def validate(cfg, world_size: int) -> None:
-    m = cfg.model
-    if cfg.data.source == "sft":
-        raise ConfigError("data.source=sft fine-tunes decoder models on responses; BERT (model.arch=bert) "
-                          "does not generate")
-    if cfg.data.source == "stdlib":
-        raise ConfigError("data.source=stdlib is Python code, not sentences: BERT trains on sentence-split text; use "
-                          "data=stdlib_prose (the stdlib's docstrings), data=indexed with a corpus from "
-                          "preprocess_data.py --split-sentences, or data=mock")
-    if cfg.data.source != "mock" and not 1 <= cfg.trainer.seed < 2**31:
-        raise ConfigError(f"trainer.seed={cfg.trainer.seed}: BERT's sample index (megatron-core's build_mapping) "
-                          "takes a seed in [1, 2**31)")
-    if m.norm_position not in NORM_POSITIONS:
-        raise ConfigError(f"model.norm_position={m.norm_position!r} is not one of {', '.join(NORM_POSITIONS)}")
-    if m.num_tokentypes < 0:
-        raise ConfigError(f"model.num_tokentypes={m.num_tokentypes} must not be negative")
-    if m.binary_head and m.num_tokentypes < 2:
-        raise ConfigError(f"model.binary_head=true reads sentence pairs, which need model.num_tokentypes >= 2 "
-                          f"(it is {m.num_tokentypes}); set model.binary_head=false or model.num_tokentypes=2")
+        return transformer_flops(cfg, seq_length) - 6.0 * h * cfg.padded_vocab_size + (12.0 * h if cfg.span_head else 0.0)
+    return transformer_flops(cfg, seq_length) + 6.0 * h * h
 
 
 def samples(cfg: BertConfig):
@@ -290,12 +210,3 @@ def samples(cfg: BertConfig):
     return BertSamples(cfg)
 
 
-FAMILY = Family(
-    name="bert", config=BertConfig, build=BERT, init_weights=init_weights, flops_per_token=flops_per_token,
-    validate=validate, tp_plan=tp_plan, inputs=("tokens", "token_types", "padding_mask"),
-    parts=Parts(layers="blocks", first=("embed",),
-                last=("norm", "pooler", "lm_head", "binary_head", "criterion", "classifier", "classifier_drop",
-                      "qa_head"),
-                selective=("attn.core",)),
-    samples=samples,
-    hf="megalm.models.bert_hf", vocab_params=VOCAB_PARAMS, tied=(("lm_head.out.weight", "embed.tok.weight"),))

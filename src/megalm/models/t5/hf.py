@@ -23,9 +23,9 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megalm.convert.rules import SAME, Rule, Transform, UnsupportedArchitecture, check, get, rows, unsupported
+from megalm.models.hf_rules import SAME, Rule, Transform, UnsupportedArchitecture, check, get, rows, unsupported
 from megalm.errors import ConfigError
-from megalm.models.t5 import T5Config
+from megalm.models.t5.config import T5Config
 
 ARCHS = {"t5": "T5ForConditionalGeneration"}
 """Hugging Face model_type -> the class this mapping reads and writes."""

@@ -34,14 +34,13 @@ in backward.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
 from megalm.distributed.comm import all_reduce_max, all_reduce_sum, group_size
-from megalm.models.losses import IGNORE, masked_mean
+from megalm.ops.losses import IGNORE, masked_mean
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -264,16 +263,3 @@ def fused_masked_mean(x: Tensor, weight: Tensor, labels: Tensor, loss_mask: Opti
         return masked_mean(linear_cross_entropy(x, weight, labels, **kwargs),
                            loss_mask if loss_mask is not None else labels != IGNORE)
     raise ValueError(f"backward={backward!r} must be one of {', '.join(BACKWARDS)}")
-
-
-class LMHead(nn.Linear):
-    """The output head: an nn.Linear whose call can hand its input and weight to a consumer that fuses
-    the matmul into itself (`fuse(x, weight)`, the chunked loss). Going through the module's call keeps
-    hooks on it working (ZeRO-3 gathers the weight in one); ColumnParallelLinear takes `fuse` too."""
-
-    def forward(self, x: Tensor, fuse: Optional[Callable[[Tensor, Tensor], Tensor]] = None) -> Tensor:
-        if fuse is None:
-            return F.linear(x, self.weight, self.bias)
-        if self.bias is not None:
-            raise ValueError("a fused head + loss takes a head without a bias")
-        return fuse(x, self.weight)

@@ -1,10 +1,11 @@
-"""Tensor-parallel styles, and applying a family's plan of them to a model.
+"""Tensor-parallel styles, and applying a plan of styles to a model.
 
-A family declares its plan next to its model code (as torchtitan keeps its plans): a list of
+A family declares its plans in its own parallelize.py (as torchtitan keeps its plans): lists of
 (module pattern, style) pairs, where a pattern names a module path and `*` matches any one
-segment (`blocks.*.attn.qkv`). `apply_tensor_parallel` swaps each matching module for its
-sharded form, or tags it, in the order of the plan; modules this rank does not hold (another
-pipeline stage's) simply match nothing.
+segment (`blocks.*.attn.qkv`). `apply_plan` swaps each matching module for its parallel form,
+or tags or hooks it, in the order of the plan; modules this rank does not hold (another
+pipeline stage's) simply match nothing. The styles name no model class: what they need of a
+module is its kind (nn.Linear, nn.Embedding) or what the plan tells them.
 
 The styles follow Megatron's layout (arXiv:1909.08053, sec. 3): column-parallel linears hold a
 slice of the outputs (whole heads, a slice of the ffn), row-parallel ones a slice of the inputs,
@@ -26,17 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from megalm.distributed.comm import gather_seq_replicated, scatter_seq
-from megalm.errors import ConfigError
-from megalm.models.fused_loss import fused_masked_mean
-from megalm.models.layers import AttentionCore, dropout_with
-from megalm.models.losses import IGNORE, masked_mean
+from megalm.ops.attention import dropout_with
+from megalm.ops.fused_loss import fused_masked_mean
+from megalm.ops.losses import IGNORE, masked_mean
+from megalm.family import Plan
+from megalm.parallel.params import retie, shared_names
 from megalm.parallel.random import TPRNG
 from megalm.parallel.tensor import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                     vocab_parallel_cross_entropy)
@@ -67,13 +69,16 @@ class ForkRNG(nn.Module):
     attention core's dropout) draws from the default generator instead, `size` times the numbers it needs,
     and keeps this rank's share (`rank`): every tp rank makes the same draw, so the default generator stays
     in step across the group as replicated dropout needs, and each rank's mask is its own. Another inner
-    module is forked as eagerly, around a graph break."""
+    module is forked as eagerly, around a graph break, unless it takes its random numbers as a `uniform`
+    argument (`takes_uniform`: an attention core; megalm.ops.attention.dropout_with), which it then gets."""
 
-    def __init__(self, inner: nn.Module, rng: TPRNG, stream: str, rank: int = 0, size: int = 1):
+    def __init__(self, inner: nn.Module, rng: TPRNG, stream: str, rank: int = 0, size: int = 1,
+                 takes_uniform: bool = False):
         super().__init__()
         self.inner, self.stream = inner, stream
         self._rng = rng  # not a submodule: it holds no parameters or buffers
         self.rank, self.size = rank, size
+        self.takes_uniform = takes_uniform
 
     def forward(self, *args, **kwargs):
         if not self._draws():  # the stream would come back unchanged; skipping also keeps a compiled graph whole
@@ -81,7 +86,7 @@ class ForkRNG(nn.Module):
         if torch.compiler.is_compiling():
             if isinstance(self.inner, nn.Dropout):
                 return dropout_with(args[0], self.inner.p, self._uniform)
-            if isinstance(self.inner, AttentionCore):
+            if self.takes_uniform:
                 return self.inner(*args, uniform=self._uniform, **kwargs)
         with self._rng.fork(self.stream):
             return self.inner(*args, **kwargs)
@@ -188,10 +193,12 @@ class VocabParallelLoss:
 @dataclass(frozen=True)
 class TPRandom:
     """A parameter-free module drawing different random numbers on each tp rank (dropout on
-    sharded activations): run under the "tp" stream."""
+    sharded activations): run under the "tp" stream. `uniform`: the module takes its random numbers
+    as a `uniform=` argument (an attention core's dropout), which a compiled graph hands it (ForkRNG)."""
+    uniform: bool = False
 
     def apply(self, module: nn.Module, ctx: TPContext) -> nn.Module:
-        return ForkRNG(module, ctx.rng, "tp", ctx.rank, ctx.size)
+        return ForkRNG(module, ctx.rng, "tp", ctx.rank, ctx.size, takes_uniform=self.uniform)
 
 
 @dataclass(frozen=True)
@@ -228,7 +235,7 @@ def matches(pattern: str, path: str) -> bool:
     return len(want) == len(have) and all(fnmatchcase(h, w) for w, h in zip(want, have))
 
 
-def apply_plan(model: nn.Module, plan: Sequence[Tuple[str, object]], ctx: TPContext) -> None:
+def apply_plan(model: nn.Module, plan: Plan, ctx) -> None:
     """Apply each (pattern, style) of `plan` to the modules of `model` it matches, in place."""
     for pattern, style in plan:
         paths = [name for name, _ in model.named_modules() if name and matches(pattern, name)]
@@ -239,20 +246,12 @@ def apply_plan(model: nn.Module, plan: Sequence[Tuple[str, object]], ctx: TPCont
                 setattr(model.get_submodule(parent) if parent else model, leaf, new)
 
 
-def apply_tensor_parallel(model: nn.Module, group, *, sequence_parallel: bool, seed: int, rng_device) -> TPRNG:
-    """Shard `model` over `group` by its family's plan, in place; return the tp random streams
-    its layers draw from (recomputation replays them, checkpoints save them)."""
-    from megalm.models import family_of
-    from megalm.parallel import retie, shared_names
-    cfg = model.cfg
+def apply_tensor_parallel(model: nn.Module, plan: Plan, group, *, sequence_parallel: bool, seed: int,
+                          rng_device) -> TPRNG:
+    """Shard `model` over `group` by `plan` (its family's tensor-parallel plan), in place; return the tp
+    random streams its layers draw from (recomputation replays them, checkpoints save them)."""
     tied = shared_names(model)
     rng = TPRNG(seed, group.rank(), rng_device)  # the device training will run on; the model is on meta
-    ctx = TPContext(group, sequence_parallel, rng, next(model.parameters()).device)
-    family = family_of(cfg.arch)
-    if family.tp_plan is None:
-        raise ConfigError(f"parallel.tp={group.size()}: the {family.name} family has no tensor-parallel plan; "
-                          "use parallel.tp=1")
-    plan: List[Tuple[str, object]] = list(family.tp_plan(cfg, group.size(), sequence_parallel))
-    apply_plan(model, plan, ctx)
+    apply_plan(model, plan, TPContext(group, sequence_parallel, rng, next(model.parameters()).device))
     retie(model, tied)  # a tied weight swapped on both sides is shared again
     return rng

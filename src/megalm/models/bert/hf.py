@@ -13,10 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any, Dict, List, Optional
 
-from megalm.convert.rules import QKV, Rule, UnsupportedArchitecture
-from megalm.convert.rules import check, get, unsupported
+from megalm.models.hf_rules import QKV, Rule, UnsupportedArchitecture, check, get, unsupported
 from megalm.errors import ConfigError
-from megalm.models.bert import BertConfig
+from megalm.models.bert.config import BertConfig
 
 ARCHS = {"bert": "BertForPreTraining"}
 """Hugging Face model_type -> the class this mapping reads and writes."""

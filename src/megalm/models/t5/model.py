@@ -29,63 +29,18 @@ gradient there.)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 from torch import nn
 
-from megalm.config import ModelConfig
-from megalm.errors import ConfigError
-from megalm.models.family import Family, Part, Parts
+from megalm.family import Part
 from megalm.models.init import init_by_name
-from megalm.models.layers import MLP, Attention, AttentionCore, TableEmbedding, build_norm
+from megalm.models.layers import MLP, Attention, AttentionCore, Encoded, TableEmbedding, build_norm
 from megalm.models.losses import LMLoss
+from megalm.models.t5.config import T5Config
 
 VOCAB_PARAMS = ("embed.tok.weight", "head.weight", "head.bias")  # rows = padded vocabulary
-POSITION_EMBEDDINGS = ("learned", "relative")
-
-
-@dataclass
-class T5Config(ModelConfig):
-    """T5's model schema: the shared transformer fields and its own. `num_layers` counts both stacks'
-    layers, `seq_length` is the encoder's length."""
-    arch: str = "t5"
-    """t5 (encoder-decoder, span-corruption pretraining)."""
-    activation: str = "gelu_exact"
-    """gelu_exact (Megatron's T5) | gelu | relu (the original T5) | swiglu."""
-    encoder_num_layers: Optional[int] = None
-    """Layers of the encoder (the first ones); the decoder has the rest. None: half of num_layers."""
-    decoder_seq_length: int = 128
-    """Tokens of the decoder's input and targets (Megatron's --decoder-seq-length)."""
-    position_embedding: str = "learned"
-    """learned (absolute, one table for both stacks: Megatron's default) | relative (T5's buckets)."""
-    relative_attention_num_buckets: int = 32
-    """Buckets of relative positions (position_embedding=relative)."""
-    relative_attention_max_distance: int = 128
-    """Distance from which all relative positions share the last bucket."""
-    tie_embeddings: bool = True
-    """The LM head's weight is the embedding's."""
-    head_bias: bool = True
-    """A bias on the LM head's logits (Megatron's T5 has one; Hugging Face's has none)."""
-    kv_channels: Optional[int] = None
-    """Channels of each attention head; None: hidden_size / num_attention_heads (T5 3B and 11B: 128)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
-
-    @property
-    def encoder_layers(self) -> int:
-        return self.encoder_num_layers if self.encoder_num_layers is not None else self.num_layers // 2
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.num_layers - self.encoder_layers
-
-    @property
-    def max_positions(self) -> int:
-        return max(self.seq_length, self.decoder_seq_length)
 
 
 def relative_buckets(relative: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -321,16 +276,6 @@ class T5(nn.Module):
         return self.head(self.norm(dec))
 
 
-@dataclass
-class Encoded:
-    """A source run through the encoder: its output, its key mask and each decoder layer's cross-attention
-    keys and values."""
-    memory: Optional[torch.Tensor]
-    """None where only the keys and values are kept (the server's slots)."""
-    key_mask: torch.Tensor
-    cross_kv: List[Tuple[torch.Tensor, torch.Tensor]]
-
-
 def init_weights(model: nn.Module, cfg: T5Config, seed: int) -> None:
     """Every parameter from (seed, global name) (megalm.models.init): N(0, init_std), residual output
     projections (self- and cross-attention, the MLP's second linear) init_std / sqrt(2 * num_layers),
@@ -362,88 +307,9 @@ def flops_per_token(cfg: T5Config, seq_length: Optional[int] = None) -> float:
     return (6.0 * matmul + attention) / Te
 
 
-@dataclass(frozen=True)
-class HeadSlice:
-    """A tensor-parallel style: the relative-bias table stays whole on every tp rank, which adds the
-    bias of its own heads; its gradient is partial over tp and summed there (as a sequence-parallel
-    norm's)."""
-
-    def apply(self, module: RelativeBias, ctx) -> None:
-        per = module.table.embedding_dim // ctx.size
-        module.heads = (ctx.rank * per, (ctx.rank + 1) * per)
-        for p in module.parameters():
-            p.sequence_parallel = True
-
-
-def tp_plan(cfg: T5Config, tp: int, sp: bool) -> List[Tuple[str, object]]:
-    """Megatron's layout for both stacks: QKV, the cross-attention's q and [k | v] and the MLP's first
-    linear column-parallel, the output projections and second linear row-parallel; the embedding,
-    head and loss vocabulary-parallel; a relative-bias table sliced by heads. Under sequence
-    parallelism the norms run on sequence shards, the embedding scatters both stacks' inputs, and
-    the cross-attention's [k | v] gathers the encoder's shards."""
-    from megalm.parallel.tp_plan import (ColumnParallel, RowParallel, ScatterSequence, SequenceParallelParams, TPRandom,
-                                         VocabParallel, VocabParallelLoss)
-    rows = cfg.padded_vocab(tp)
-    q, kv, f = cfg.num_attention_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim, cfg.ffn_size
-    plan: List[Tuple[str, object]] = [("embed.tok", VocabParallel(rows))]
-    if sp:
-        plan += [("embed", ScatterSequence())]
-    plan += [
-        ("blocks.*.attn.qkv", ColumnParallel(segments=(q, kv, kv))),
-        ("blocks.*.attn.proj", RowParallel()),
-        ("blocks.*.attn.core", TPRandom()),
-        ("blocks.*.cross.q", ColumnParallel()),
-        ("blocks.*.cross.kv", ColumnParallel(segments=(kv, kv))),
-        ("blocks.*.cross.proj", RowParallel()),
-        ("blocks.*.cross.core", TPRandom()),
-        ("blocks.*.mlp.fc1", ColumnParallel(segments=(f, f) if cfg.activation == "swiglu" else None)),
-        ("blocks.*.mlp.fc2", RowParallel()),
-        ("enc_bias", HeadSlice()),
-        ("dec_bias", HeadSlice()),
-    ]
-    if sp:
-        plan += [(f"blocks.*.{name}", TPRandom()) for name in ("attn.dropout", "cross.dropout", "mlp.dropout")]
-        plan += [(name, SequenceParallelParams())
-                 for name in ("blocks.*.norm1", "blocks.*.norm2", "blocks.*.norm3", "blocks.*.norm_out", "norm")]
-    plan += [("head", ColumnParallel(rows=rows)), ("criterion", VocabParallelLoss(rows))]
-    return plan
-
-
-def validate(cfg, world_size: int) -> None:
-    m = cfg.model
-    if m.position_embedding not in POSITION_EMBEDDINGS:
-        raise ConfigError(f"model.position_embedding={m.position_embedding!r} is not one of "
-                          f"{', '.join(POSITION_EMBEDDINGS)} (T5)")
-    if not 1 <= m.encoder_layers < m.num_layers:
-        raise ConfigError(f"model.encoder_num_layers={m.encoder_num_layers} must leave both stacks a layer: "
-                          f"between 1 and model.num_layers - 1 = {m.num_layers - 1}")
-    if m.decoder_seq_length < 2:
-        raise ConfigError(f"model.decoder_seq_length={m.decoder_seq_length} must be at least 2")
-    if m.position_embedding == "relative":
-        if m.relative_attention_num_buckets < 4:
-            raise ConfigError(f"model.relative_attention_num_buckets={m.relative_attention_num_buckets} must be "
-                              "at least 4")
-        if m.relative_attention_max_distance <= m.relative_attention_num_buckets // 4:
-            raise ConfigError(f"model.relative_attention_max_distance={m.relative_attention_max_distance} must be "
-                              f"above a quarter of the buckets ({m.relative_attention_num_buckets // 4})")
-    if cfg.data.source not in ("mock", "indexed", "stdlib_prose", "sft"):
-        raise ConfigError(f"data.source={cfg.data.source!r}: T5 trains on span corruption of sentence-split text "
-                          "(data=stdlib_prose_t5, data=indexed with a corpus from preprocess_data.py --split-sentences, "
-                          "data=mock) or on source / target pairs (data=sft)")
-    if cfg.data.source == "sft" and cfg.data.packing:
-        raise ConfigError("data.packing=true packs examples for decoder models; T5 reads one pair a sample: "
-                          "set data.packing=false")
-
-
 def samples(cfg: T5Config):
     """How T5's training samples are made (megalm.data.t5_dataset)."""
     from megalm.data.t5_dataset import T5Samples
     return T5Samples(cfg)
 
 
-FAMILY = Family(
-    name="t5", config=T5Config, build=T5, init_weights=init_weights, flops_per_token=flops_per_token,
-    validate=validate, tp_plan=tp_plan, inputs=("tokens", "padding_mask", "decoder_tokens"),
-    parts=Parts(layers="blocks", first=("embed", "enc_bias", "dec_bias"), last=("norm", "head", "criterion"),
-                selective=("attn.core", "cross.core")),
-    samples=samples, hf="megalm.models.t5_hf", vocab_params=VOCAB_PARAMS, tied=(("head.weight", "embed.tok.weight"),))

@@ -1,26 +1,28 @@
-"""The model-family registry: `model.arch` -> what a family declares about its models.
+"""The family contract: what a model family declares about its models, handed to the code that needs it.
 
-A family is a module under megalm.models that defines `FAMILY`, a Family. The registry names
-the module and imports it on first use, so the list of families is known without importing
-every model. Code outside a family's own files reaches its models
-through `family_of(arch)`: how to build and initialise one, which parameters hold vocabulary
-rows, which are tied, and its FLOPs per token.
+A family (gpt, bert, t5, ...) is one folder under megalm.models holding its model, its parallel plans
+(`parallelize.py`), its Hugging Face mapping and its declaration, a `Family`. The commands look the
+family up once by `model.arch` (megalm.models.registry.family_of) and pass it down: `parallelize`, the
+pipeline, ZeRO-3, recomputation, the trainer and checkpoints read what they need from the Family they
+are given, never from a registry, and name no model class.
+
+This module is the lowest layer besides megalm.errors: it imports nothing of megalm's, so models/,
+parallel/ and training/ can all depend on it.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Optional, Sequence, Tuple
 
-from megalm.errors import ConfigError
+KINDS = ("decoder", "encoder", "encoder-decoder")
+"""What a family's models do with text, which decides what the commands offer them: a decoder generates
+(generate, serve, evaluate's likelihood tasks, the harness), an encoder-decoder generates from a source,
+an encoder scores (fine-tuned classification, QA)."""
 
-FAMILY_MODULES: Dict[str, str] = {
-    "gpt": "megalm.models.gpt",
-    "bert": "megalm.models.bert",
-    "t5": "megalm.models.t5",
-}
-"""model.arch -> the module defining its FAMILY; a new family adds its line here."""
+Plan = Sequence[Tuple[str, Any]]
+"""[(module pattern, style)]: a pattern names module paths, `*` standing for one dotted segment
+(`blocks.*.attn.qkv`); a style (megalm.parallel) turns each matching module into its parallel form."""
 
 
 @dataclass(frozen=True)
@@ -67,11 +69,21 @@ class Family:
     """(model, ModelConfig, seed) -> None: fill every parameter from (seed, global name)."""
     flops_per_token: Callable[..., float]
     """(ModelConfig, seq_length or None) -> training FLOPs per token (megalm.models.flops)."""
+    kind: str = "decoder"
+    """One of KINDS: what the commands (generate, serve, evaluate, the planner) may do with it."""
     validate: Optional[Callable[..., None]] = None
     """(Config, world_size) -> None: the family's own config rules (ConfigErrors), after the shared ones."""
-    tp_plan: Optional[Callable[..., Sequence[Tuple[str, Any]]]] = None
-    """(ModelConfig, tp, sequence_parallel) -> [(module pattern, style)] of megalm.parallel.tp_plan;
+    tp_plan: Optional[Callable[..., Plan]] = None
+    """(ModelConfig, tp, sequence_parallel) -> its tensor-parallel Plan (megalm.parallel.styles);
     None: the family does not run tensor parallel."""
+    cp_plan: Optional[Callable[..., Plan]] = None
+    """(ModelConfig) -> its context-parallel Plan (megalm.parallel.context's styles: the attention cores
+    that attend around the ring, the modules whose positions follow the sequence's split); None: the
+    family does not run context parallel."""
+    expert_plan: Optional[Callable[..., Plan]] = None
+    """(ModelConfig) -> the Plan of its mixture-of-experts layers
+    (megalm.parallel.experts's styles: experts split over ep and expert tp, each rank routing its own
+    tokens under tp and cp); None: no mixture of experts."""
     inputs: Tuple[str, ...] = ("tokens",)
     """The batch keys the model's forward takes, positionally and in this order (a pipeline's first
     stage gets them); the model's `loss(output, batch)` reads the batch's other keys."""
@@ -94,18 +106,6 @@ class Family:
     tied: Tuple[Tuple[str, str], ...] = ()
     """(copy, source) pairs shared when the config ties them (the head to the embedding)."""
 
-
-def family_names() -> Tuple[str, ...]:
-    return tuple(FAMILY_MODULES)
-
-
-def family_of(arch: str) -> Family:
-    """The registered family `arch` names; a ConfigError listing the families otherwise."""
-    module = FAMILY_MODULES.get(arch)
-    if module is None:
-        raise ConfigError(f"model.arch={arch!r} is not a model family megalm has; choose one of "
-                          f"{', '.join(family_names())}")
-    family: Optional[Family] = getattr(importlib.import_module(module), "FAMILY", None)
-    if not isinstance(family, Family) or family.name != arch:
-        raise RuntimeError(f"{module} must define FAMILY = Family(name={arch!r}, ...)")  # a bug in the family
-    return family
+    def __post_init__(self):
+        if self.kind not in KINDS:  # a bug in the family's declaration, not a user's error
+            raise ValueError(f"Family {self.name!r}: kind={self.kind!r} is not one of {', '.join(KINDS)}")

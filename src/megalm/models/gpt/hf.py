@@ -45,10 +45,10 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from megalm.convert.rules import CONV1D, QKV, Rule, Transform, UnsupportedArchitecture, rows
-from megalm.convert.rules import check as _check, get as _get, unsupported as _unsupported
+from megalm.models.hf_rules import CONV1D, QKV, Rule, Transform, UnsupportedArchitecture, rows
+from megalm.models.hf_rules import check as _check, get as _get, unsupported as _unsupported
 from megalm.errors import ConfigError
-from megalm.models.gpt import GPTConfig
+from megalm.models.gpt.config import GPTConfig
 
 log = logging.getLogger("megalm.convert")
 
