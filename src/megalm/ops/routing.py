@@ -58,9 +58,9 @@ def routing_step(grad_scale: float) -> Iterator[RoutingRecord]:
         _current.reset(token)
 
 
-@torch.compiler.disable  # a context variable is read eagerly, between a compiled graph's parts
 def current_record() -> Optional[RoutingRecord]:
-    """The record of the step in progress; None outside one."""
+    """The record of the step in progress; None outside one. (Inside a compiled graph, torch.compile runs the
+    read eagerly between the graph's parts.)"""
     return _current.get()
 
 
