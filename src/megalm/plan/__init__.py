@@ -19,8 +19,39 @@ Reported per position:
   expert tensor parallelism its rows' all-to-alls over tp, in the tp column);
 and for the layout: the model FLOPs and tokens of a step, the bubble of the schedule, and the step
 time, tokens/s and MFU on `cluster` (its peak FLOP/s, memory, bandwidths and latencies).
-Every formula lives in megalm.plan.formulas with its source. `--search` ranks the layouts of a GPU
-count instead. Printed as a table, or as JSON with --json.
+`--search` ranks the layouts of a GPU count instead. Printed as a table, or as JSON with --json.
+
+Every formula lives in a module of its own quantity, with its source:
+- shapes: the sizes the formulas read off a config (`_Shape`: one micro-batch on one rank);
+- flops: a pipeline stage's FLOPs, forward and backward, from the family's one FLOPs definition;
+- traffic: the bytes a stage moves outside its matmuls, counted op by op on fake tensors;
+- activations (with attention and moe): what autograd keeps for backward per layer, per stage and at
+  a rank's peak under its schedule (Korthikanti et al. 2022, with megalm's own coefficients);
+- layout: what one rank holds, read off the meta-device model over a fake process group;
+- collectives (with group_collectives and expert_collectives): the collectives of one optimizer step
+  on a rank, counted as megalm.distributed.comm counts them; model_state: the exact model state it holds;
+- collective_time: the time of one collective (the alpha-beta model with the ring's bus-bandwidth
+  factors) over the link between the ranks of its group;
+- schedules: the order each rank runs its actions in, and an event simulation of that order with
+  per-action times, which gives the bubble;
+- step_time: step time, tokens/s and MFU on a cluster profile.
+
+Context parallelism (parallel.cp) runs through all of them: a rank's seq_length / cp tokens, the ring
+attention's saved tensors, the ring's sends and their overlap with the attention, gradients and ZeRO
+shards over dp x cp. So does a mixture of experts (model.num_experts > 0, megalm.models.moe): the FLOPs of k
+experts a token and the router; what its router and experts keep (`moe_kept_bytes`), planned for balanced
+routing (`moe_rows`: dropless, tokens x k rows; under expert parallelism every rank receiving as many rows
+as it sends); each tp rank routing its own tokens; expert parallelism's all-to-alls (`expert_parallel`),
+waited on in the step time; the experts' buckets over the (dp / ep) x cp ranks holding them (`expert_data_parallel`),
+ZeRO-3's gathers of them there too. Under expert tensor parallelism (parallel.expert_tp) each expert is split
+over tp and every tp rank runs all tp ranks' rows through its slices: tp x the rows' fc1 inputs and grouping
+indices kept (`moe_kept_bytes`), the rows' all-to-alls over tp, forward and backward (`expert_tensor_parallel`),
+and the counts' gather (`untracked_collectives`), both under "tp" and waited on like tp's collectives, the
+experts' tp slices in the gradient norm (`other`).
+
+Each estimate is checked against a measured run: tests/test_plan_activations.py (saved tensors),
+tests/test_plan_collectives.py (count_comm and the held model state), tests/test_plan.py
+(schedules, step time, search) and scripts/bench_pp.py (the bubble).
 """
 
 from __future__ import annotations
@@ -95,7 +126,13 @@ def _fit(total: float, cluster) -> Optional[bool]:
 
 def plan(cfg, world: int) -> Dict[str, Any]:
     from megalm.models import flops_per_token
-    from megalm.plan import formulas as f
+    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    from megalm.plan.activations import stage_activation_bytes
+    from megalm.plan.collectives import step_collectives
+    from megalm.plan.layout import rank_layout
+    from megalm.plan.model_state import exact_model_state_bytes
+    from megalm.plan.schedules import bubble_equal_stages, compute_bubble, stage_layers
+    from megalm.plan.step_time import estimate_step
     from megalm.training.memory import expected_bytes_per_param
     dims = _dims(cfg, world)
     p, t = cfg.parallel, cfg.trainer
@@ -108,7 +145,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     not_modelled = None
     for stage in range(dims.pp):
         try:
-            act = f.stage_activation_bytes(cfg, world, stage)  # alike on every tp rank of the stage
+            act = stage_activation_bytes(cfg, world, stage)  # alike on every tp rank of the stage
         except ConfigError as e:  # modelled for GPT language models and BERT pretraining only
             act, not_modelled = None, str(e)
         for tp_rank in sorted({0, dims.tp - 1}):
@@ -118,10 +155,10 @@ def plan(cfg, world: int) -> Dict[str, Any]:
                 if act is None:
                     raise ConfigError(not_modelled)
                 # the meta-device layout these read is also where the rank's parameters are counted
-                lay = f.rank_layout(cfg, world, stage, tp_rank)
+                lay = rank_layout(cfg, world, stage, tp_rank)
                 q["params"] = lay.params
-                held = f.exact_model_state_bytes(cfg, world, stage, tp_rank)
-                coll = f.step_collectives(cfg, world, stage, tp_rank)
+                held = exact_model_state_bytes(cfg, world, stage, tp_rank)
+                coll = step_collectives(cfg, world, stage, tp_rank)
             except ConfigError as e:
                 not_modelled = str(e)
                 q["params"] = rank_params(cfg, world, rank)
@@ -145,7 +182,7 @@ def plan(cfg, world: int) -> Dict[str, Any]:
             positions.append(q)
     tokens = t.global_batch_size * cfg.model.seq_length
     schedule = p.pipeline_schedule if dims.pp > 1 else None
-    v = len(f.stage_layers(cfg, dims.pp)) // dims.pp
+    v = len(stage_layers(cfg, dims.pp)) // dims.pp
     out = {"model": cfg.model.name, "cluster": cfg.cluster.name,
            "layout": {"tp": dims.tp, "pp": dims.pp, "dp": dims.dp, "cp": dims.cp, "ep": p.ep,
                       "expert_tp": p.expert_tp if dims.tp > 1 else 1, "world": world,
@@ -154,14 +191,14 @@ def plan(cfg, world: int) -> Dict[str, Any]:
                       "precision": t.precision, "micro_batch_size": t.micro_batch_size, "micro_batches": m},
            "tokens_per_step": tokens, "model_flops_per_step": flops_per_token(cfg.model) * tokens,
            "bytes_per_param": per_param,
-           "bubble_equal_stages": f.bubble_equal_stages(dims.pp, m, v) if dims.pp > 1 else 0.0,
-           "bubble_compute_only": f.compute_bubble(cfg, dims.pp, m) if dims.pp > 1 else {0: 0.0},
+           "bubble_equal_stages": bubble_equal_stages(dims.pp, m, v) if dims.pp > 1 else 0.0,
+           "bubble_compute_only": compute_bubble(cfg, dims.pp, m) if dims.pp > 1 else {0: 0.0},
            "positions": positions}
     if not_modelled:
         out["not_modelled"] = not_modelled
         out["estimate"] = {"missing": ["activation and communication formulas for this model"]}
     else:
-        out["estimate"] = f.estimate_step(cfg, dims, comm, state)
+        out["estimate"] = estimate_step(cfg, dims, comm, state)
     return out
 
 
@@ -242,11 +279,12 @@ def expert_params_per_layer(cfg) -> int:
 
 def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
     """Parameters of tp rank 0 on pipeline rank `pp_rank`, from `_parts` (no model built per layout)."""
-    from megalm.plan import formulas as f
+    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    from megalm.plan.schedules import stage_layers, stage_owner
     dims = _dims(cfg, world)
     first, per_layer, last, twice = _parts(cfg, dims.tp)
-    layers = f.stage_layers(cfg, dims.pp)
-    owner = f.stage_owner(cfg.parallel.pipeline_schedule, dims.pp, len(layers)) if dims.pp > 1 else [0] * len(layers)
+    layers = stage_layers(cfg, dims.pp)
+    owner = stage_owner(cfg.parallel.pipeline_schedule, dims.pp, len(layers)) if dims.pp > 1 else [0] * len(layers)
     mine = [s for s in range(len(layers)) if owner[s] == pp_rank]
     experts = expert_params_per_layer(cfg) // (dims.tp if cfg.parallel.expert_tp > 1 else 1)  # (tp slices)
     per_layer -= experts * (cfg.parallel.ep - 1) // cfg.parallel.ep  # E / ep experts here
@@ -265,7 +303,10 @@ def _state_estimate(cfg, world: int, pp_rank: int) -> float:
 
 def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any]], str]:
     """(name, the fastest fitting recompute x ZeRO option of one candidate layout or None, why none)."""
-    from megalm.plan import formulas as f
+    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    from megalm.plan.activations import stage_activation_bytes
+    from megalm.plan.collectives import step_collectives
+    from megalm.plan.step_time import estimate_step
     from megalm.validation import validate
     tp, pp, dp, schedule, v, mbs = candidate
     cp = cfg.parallel.cp
@@ -286,15 +327,15 @@ def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any
         try:
             validate(c, gpus)
             if recompute not in activations:
-                activations[recompute] = [f.stage_activation_bytes(c, gpus, s)["peak"] for s in range(pp)]
+                activations[recompute] = [stage_activation_bytes(c, gpus, s)["peak"] for s in range(pp)]
             peak = max(activations[recompute][s] + _state_estimate(c, gpus, s) for s in range(pp))
             if peak > c.cluster.memory_per_device_gb * GB:
                 reasons.append(f"needs {peak / GB:.1f} GB a device with recompute={recompute}, ZeRO-{zero}")
                 continue
             # Under an even split the middle pipeline ranks hold and send alike: read one of them.
             like = {s: s if s in (0, pp - 1) else 1 for s in range(pp)}
-            read = {s: f.step_collectives(c, gpus, s, 0) for s in set(like.values())}
-            est = f.estimate_step(c, _dims(c, gpus), {s: read[like[s]] for s in range(pp)},
+            read = {s: step_collectives(c, gpus, s, 0) for s in set(like.values())}
+            est = estimate_step(c, _dims(c, gpus), {s: read[like[s]] for s in range(pp)},
                                   {s: stage_params_estimate(c, gpus, s) / (dp * cp if zero >= 1 else 1)
                                    for s in range(pp)})
         except ConfigError as e:  # an option the run refuses, or one the formulas do not model
@@ -326,11 +367,12 @@ def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     the device are estimated and the fastest is kept. A layout the run itself would refuse is dropped with
     its error, one where no option fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
     schedule and virtual stages go to one process, which reads their meta-device layout once)."""
-    from megalm.plan import formulas as f
+    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    from megalm.plan.step_time import estimate_requirements
     if not cfg.cluster.memory_per_device_gb:
         raise ConfigError(f"--search needs the devices' memory: cluster={cfg.cluster.name} has no "
                           "cluster.memory_per_device_gb (choose a cluster preset, e.g. cluster=slurm_h100)")
-    missing = f.estimate_requirements(cfg, gpus)
+    missing = estimate_requirements(cfg, gpus)
     if missing:
         raise ConfigError(f"--search needs step times: cluster={cfg.cluster.name} lacks {', '.join(missing)}")
     groups: Dict[tuple, List[tuple]] = {}
