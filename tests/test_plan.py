@@ -331,7 +331,8 @@ def test_collective_times_follow_the_ring_factors():
 def test_search_parameter_counts_equal_the_laid_out_model(layout):
     """The search's per-stage parameters, composed from three layouts (embedding alone, head alone, one
     layer's share), equal those of the meta model laid out at the layout itself."""
-    from megalm.plan import _dims, _rank_of, compose, rank_params, stage_params_estimate
+    from megalm.plan import compose, rank_params, stage_params_estimate
+    from megalm.plan.positions import _dims, _rank_of
     cfg, world = compose(["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
                           *layout])
     dims = _dims(cfg, world)
@@ -599,7 +600,8 @@ def test_context_parallel_step_time_by_hand():
 
 def test_context_parallel_in_the_table_and_the_search():
     """The table names cp and shows the ring's bytes; the search keeps parallel.cp and fills dp with the rest."""
-    from megalm.plan import _best_option, candidates, compose, format_table
+    from megalm.plan import candidates, compose, format_table
+    from megalm.plan.layout_search import _best_option
     got = _plan(*TINY, "trainer.global_batch_size=8", "parallel=tp2", "parallel.cp=2",
                 "parallel.sequence_parallel=true")
     table = format_table(got)
