@@ -383,12 +383,12 @@ def check_boundaries(ranks, schedule, m, act_bytes, act_shape):
 
 
 def planned_idle(args, schedule, m, device=None, messages=True):
-    """megalm.plan's bubble for this cell (megalm.plan.formulas.compute_bubble): the schedule's order
+    """megalm.plan's bubble for this cell (megalm.plan.schedules.compute_bubble): the schedule's order
     simulated with each stage's time; the share of the step each rank does not compute. The time is the
     stage's FLOPs, or with `device` (the ranks' measured figures) FLOPs / FLOP/s plus the stage's memory
-    traffic outside the matmuls (formulas.stage_traffic: layers, embedding, heads, loss) / bandwidth, and
-    with `messages` each boundary message's measured time and the CPU time it takes from either end."""
-    from megalm.plan.formulas import compute_bubble
+    traffic outside the matmuls (megalm.plan.traffic.stage_traffic: layers, embedding, heads, loss) / bandwidth,
+    and with `messages` each boundary message's measured time and the CPU time it takes from either end."""
+    from megalm.plan.schedules import compute_bubble
     v = SCHEDULE_V[schedule]
     cfg = compose_cfg(args, [f"parallel.pp={args.pp}", "parallel.dp=1", f"parallel.pipeline_schedule={schedule}",
                              f"parallel.virtual_pipeline_size={v}", f"trainer.micro_batch_size={args.micro_batch}",

@@ -110,30 +110,30 @@ def test_cli_composition_mistakes_read_as_train_says_them(capsys, override, expe
 def test_simulated_bubble_is_megatrons_with_equal_stages(schedule, v, pp, m):
     """Equal stages, backward twice forward, no transfer time: every rank idles (p - 1) / (m v + p - 1)
     of the step (arXiv:2104.04473 sec. 2.2), under the order torch's schedule runs."""
-    from megalm.plan import formulas as f
-    order = f.schedule_order(schedule, pp, v, m)
-    owner = f.stage_owner(schedule, pp, pp * v)
+    from megalm.plan.schedules import schedule_order, simulate, stage_owner
+    order = schedule_order(schedule, pp, v, m)
+    owner = stage_owner(schedule, pp, pp * v)
     assert sorted(a for acts in order.values() for a in acts) == sorted(
         (k, s, i) for k in "FB" for s in range(pp * v) for i in range(m))  # each action once
-    sim = f.simulate(order, lambda kind, s: (1.0 if kind == "F" else 2.0) / v, lambda a, b: 0.0,
-                     lambda s: owner[s], pp * v)
+    sim = simulate(order, lambda kind, s: (1.0 if kind == "F" else 2.0) / v, lambda a, b: 0.0,
+                   lambda s: owner[s], pp * v)
     assert sim.step_seconds == pytest.approx(3.0 * (m + (pp - 1) / v))
     for r in range(pp):
         assert sim.idle_share(r) == pytest.approx((pp - 1) / (m * v + pp - 1))
 
 
 def test_zero_bubble_schedules_idle_less_and_transfers_lengthen_the_step():
-    from megalm.plan import formulas as f
+    from megalm.plan.schedules import bubble_equal_stages, schedule_order, simulate, stage_owner
     pp, m = 4, 8
     split = {"F": 1.0, "I": 1.0, "W": 1.0, "B": 2.0}
-    base = f.bubble_equal_stages(pp, m, 2)
+    base = bubble_equal_stages(pp, m, 2)
     for schedule in ("interleaved_zb", "zbv"):
-        order = f.schedule_order(schedule, pp, 2, m)
+        order = schedule_order(schedule, pp, 2, m)
         assert {k for acts in order.values() for k, _, _ in acts} == {"F", "I", "W"}
-        owner = f.stage_owner(schedule, pp, 2 * pp)
-        sim = f.simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.0, lambda s: owner[s], 2 * pp)
+        owner = stage_owner(schedule, pp, 2 * pp)
+        sim = simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.0, lambda s: owner[s], 2 * pp)
         assert max(sim.idle_share(r) for r in range(pp)) < base / 2
-        slow = f.simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.25, lambda s: owner[s], 2 * pp)
+        slow = simulate(order, lambda k, s: split[k] / 2, lambda a, b: 0.25, lambda s: owner[s], 2 * pp)
         assert slow.step_seconds > sim.step_seconds
 
 
@@ -188,7 +188,7 @@ def test_loss_traffic_counts_the_passes_the_loss_makes(overrides):
     op by op as they run (padded vocabularies and bf16 logits included)."""
     import torch
     from megalm.models.losses import LMLoss
-    from megalm.plan.formulas import loss_traffic_bytes
+    from megalm.plan.traffic import loss_traffic_bytes
     cfg = _compose(*TINY, "trainer.global_batch_size=8", *overrides)
     mc = cfg.model
     dtype = torch.float32 if cfg.trainer.precision == "fp32" else torch.bfloat16
@@ -217,7 +217,7 @@ def test_bert_loss_traffic_counts_the_mlm_loss_and_its_accuracy(overrides):
     equals the bytes it reads and writes over the logits, counted op by op."""
     import torch
     from megalm.models import build_model
-    from megalm.plan.formulas import loss_traffic_bytes
+    from megalm.plan.traffic import loss_traffic_bytes
     cfg = _compose(*BERT_TINY, "trainer.global_batch_size=8", *overrides)
     mc = cfg.model
     model, batch = build_model(mc), _bert_batch(cfg, 2)
@@ -240,7 +240,7 @@ def _vocab_parallel_case(rank, world, overrides):
     from megalm.models import build_model
     from megalm.parallel.tensor import vocab_parallel_cross_entropy
     from megalm.parallel.styles import VocabParallelLMLoss
-    from megalm.plan.formulas import loss_traffic_bytes
+    from megalm.plan.traffic import loss_traffic_bytes
     import torch.distributed as dist
     out = []
     for model in (TINY, BERT_TINY):
@@ -276,7 +276,9 @@ def test_the_memory_traffic_lengthens_each_stage_by_bytes_over_bandwidth():
     """GPipe at pp 2 with one micro-batch runs F0, F1, B1, B0 back to back: rank 0 idles F1 + B1. With a
     matmul rate and a bandwidth, each action adds its stage's traffic over the bandwidth (`stage_traffic`:
     the layers, the embedding on the first, the heads and the loss's passes on the last), by hand."""
-    from megalm.plan.formulas import compute_bubble, loss_traffic_bytes, stage_traffic, stage_work
+    from megalm.plan.flops import stage_work
+    from megalm.plan.schedules import compute_bubble
+    from megalm.plan.traffic import loss_traffic_bytes, stage_traffic
     cfg = _compose(*TINY, "trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe")
     first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
     t0, t1 = stage_traffic(cfg, 1, True, False, 1, 1), stage_traffic(cfg, 1, False, True, 1, 1)
@@ -293,7 +295,8 @@ def test_boundary_messages_lengthen_the_step_and_take_time_from_both_ends():
     """GPipe at pp 2 with one micro-batch: F0 sends, F1 receives, B1 sends, B0 receives, each message
     taking c from its action and arriving L after it; rank 0 computes F0 + B0 of F0 + F1 + B1 + B0 + 4c + 2L.
     `crossings` counts a stage's messages from its neighbours' owners (ZBV's V turns on one rank)."""
-    from megalm.plan.formulas import compute_bubble, crossings, stage_work
+    from megalm.plan.flops import stage_work
+    from megalm.plan.schedules import compute_bubble, crossings
     cfg = _compose(*TINY, "trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe")
     first, last = stage_work(cfg, 1, False, 1), stage_work(cfg, 1, True, 1)
     rate, L, c = 1e9, 2e-4, 3e-4
@@ -311,7 +314,7 @@ def test_boundary_messages_lengthen_the_step_and_take_time_from_both_ends():
 def test_collective_times_follow_the_ring_factors():
     """Ring collectives over p ranks put 2(p-1)/p (all-reduce) or (p-1)/p (reduce-scatter of the full input,
     all-gather of the full output) of the buffer on each link (nccl-tests' bus bandwidth factors)."""
-    from megalm.plan.formulas import collective_seconds
+    from megalm.plan.collective_time import collective_seconds
     full = 8e9
     assert collective_seconds("all_reduce", full, 8, 1e9, 0.0) == pytest.approx(2 * 7 / 8 * 8)
     assert collective_seconds("reduce_scatter", full, 8, 1e9, 0.0) == pytest.approx(7 / 8 * 8)
@@ -328,7 +331,8 @@ def test_collective_times_follow_the_ring_factors():
 def test_search_parameter_counts_equal_the_laid_out_model(layout):
     """The search's per-stage parameters, composed from three layouts (embedding alone, head alone, one
     layer's share), equal those of the meta model laid out at the layout itself."""
-    from megalm.plan import _dims, _rank_of, compose, rank_params, stage_params_estimate
+    from megalm.plan import compose, rank_params, stage_params_estimate
+    from megalm.plan.positions import _dims, _rank_of
     cfg, world = compose(["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=1", "trainer.global_batch_size=8",
                           *layout])
     dims = _dims(cfg, world)
@@ -342,7 +346,7 @@ TINY = ["model=gpt_tiny", "data=mock", "trainer.micro_batch_size=2"]
 def _traffic_beside_the_loss(cfg, m: int) -> float:
     """Bytes a single-stage step moves outside the matmuls besides the loss's passes (`stage_traffic`, checked
     on its own above): m micro-batches through the layers, the embedding and the heads."""
-    from megalm.plan.formulas import loss_traffic_bytes, stage_traffic
+    from megalm.plan.traffic import loss_traffic_bytes, stage_traffic
     t = stage_traffic(cfg, cfg.model.num_layers, True, True, 1, m)
     return m * (t.forward + t.input_grad + t.weight_grad - sum(loss_traffic_bytes(cfg, 1)))
 
@@ -436,7 +440,8 @@ def test_bert_stage_boundaries_carry_the_padding_mask_in_the_step_time():
     F(0, 0) F(0, 1) | send | F(1, 0) F(1, 1) B(1, 0) B(1, 1) | send | B(0, 1) ends the step. BERT's forward
     send carries the (b, s) int64 padding mask beside the (b, s, h) fp32 hidden states, its backward the
     hidden states' gradient alone: each crossing one latency plus its bytes over NVLink, by hand."""
-    from megalm.plan.formulas import stage_traffic, stage_work
+    from megalm.plan.flops import stage_work
+    from megalm.plan.traffic import stage_traffic
     layout = ("trainer.global_batch_size=4", "parallel.pp=2", "parallel.pipeline_schedule=gpipe",
               "cluster=slurm_h100", "trainer.precision=bf16")
     cfg = _compose(*BERT_TINY, *layout)
@@ -487,7 +492,7 @@ def test_traffic_counted_on_fake_tensors_equals_a_real_run():
     """`count_traffic` counts on FakeTensorMode tensors (nothing allocated, so any size): the same layer,
     embedding and heads run on real CPU tensors move the same bytes, op for op; across norms, activations,
     positions, dropout, bf16 autocast, grouped-query attention and BERT (post-norm, its masks and heads)."""
-    from megalm.plan.formulas import count_traffic
+    from megalm.plan.traffic import count_traffic
     cases = [[*TINY], [*TINY, "model.normalization=layernorm", "model.activation=gelu",
                        "model.position_embedding=learned", "model.dropout=0.1", "model.bias=true"],
              [*TINY, "trainer.precision=bf16"], [*TINY, "model.num_query_groups=2"],
@@ -507,7 +512,7 @@ def test_traffic_of_a_plain_layer_by_hand():
     (SDPA's CPU kernel lays its output out as (B, T, heads, hd), so merging the heads is a view).
     Before the layers, the embedding reads and writes the N rows it looks up (not its whole table), the
     learned positions' lookup its T rows, and adding them reads N h + T h and writes N h."""
-    from megalm.plan.formulas import count_traffic
+    from megalm.plan.traffic import count_traffic
     cfg = _compose(*TINY, "model.normalization=layernorm", "model.activation=gelu", "model.bias=false",
                    "model.position_embedding=learned", "model.dropout=0.0", "trainer.global_batch_size=8")
     m = cfg.model
@@ -523,7 +528,7 @@ def test_traffic_of_a_plain_layer_by_hand():
 def test_stage_traffic_shards_recomputes_and_accumulates():
     """tp divides the width part, sequence parallelism the hidden part too; full recomputation adds the
     layers' forward to the input gradient; each micro-batch after the first adds 12 bytes a weight."""
-    from megalm.plan.formulas import count_traffic, loss_traffic_bytes, stage_traffic
+    from megalm.plan.traffic import count_traffic, loss_traffic_bytes, stage_traffic
     base = _compose(*TINY, "trainer.global_batch_size=8")
     c = count_traffic(base)
     (hf, wf), (hb, wb) = c.layer_forward, c.layer_backward
@@ -567,7 +572,10 @@ def test_context_parallel_step_time_by_hand():
     plus the (k, v) block (batch 2 x 2 kv heads x 16 tokens x 8 channels x 2 bytes) over the link, forward
     against the core's forward, backward against twice it. The block equals the run's own ring_bytes."""
     from megalm.parallel.context import ring_bytes
-    from megalm.plan.formulas import ring_block_bytes, ring_exposed_seconds, stage_traffic, stage_work
+    from megalm.plan.flops import stage_work
+    from megalm.plan.group_collectives import ring_block_bytes
+    from megalm.plan.step_time import ring_exposed_seconds
+    from megalm.plan.traffic import stage_traffic
     layout = (*TINY, "trainer.global_batch_size=2", "cluster=slurm_h100", "trainer.precision=bf16")
     cfg, one = _compose(*layout, "parallel.cp=2"), _compose(*layout)
     c, m = cfg.cluster, cfg.model
@@ -592,7 +600,8 @@ def test_context_parallel_step_time_by_hand():
 
 def test_context_parallel_in_the_table_and_the_search():
     """The table names cp and shows the ring's bytes; the search keeps parallel.cp and fills dp with the rest."""
-    from megalm.plan import _best_option, candidates, compose, format_table
+    from megalm.plan import candidates, compose, format_table
+    from megalm.plan.layout_search import _best_option
     got = _plan(*TINY, "trainer.global_batch_size=8", "parallel=tp2", "parallel.cp=2",
                 "parallel.sequence_parallel=true")
     table = format_table(got)
@@ -619,7 +628,7 @@ def test_expert_parallel_ranks_hold_their_experts_and_shard_them_over_dp_by_ep()
     shards the experts over the dp / ep ranks holding them, the rest over dp; the search's estimate of a stage's
     parameters agrees with the laid-out model."""
     from megalm.plan import compose, expert_params_per_layer, stage_params_estimate
-    from megalm.plan.formulas import exact_model_state_bytes
+    from megalm.plan.model_state import exact_model_state_bytes
     whole = _plan(*MOE, "parallel=dp4")["positions"][0]
     cfg, world = compose([*MOE, "parallel=dp4", "parallel.ep=2", "parallel.zero_stage=1"])
     got = _plan(*MOE, "parallel=dp4", "parallel.ep=2", "parallel.zero_stage=1")
@@ -639,7 +648,8 @@ def test_moe_collectives_and_step_time_by_hand():
     the actions wait on; the experts' buckets reduce over the (dp / ep) x cp ranks holding them. Without ep there are
     none, and the step is shorter by those all-to-alls (the FLOPs are the same)."""
     from megalm.plan import compose
-    from megalm.plan.formulas import collective_seconds, link, step_collectives
+    from megalm.plan.collective_time import collective_seconds, link
+    from megalm.plan.collectives import step_collectives
     cfg, world = compose([*MOE, "parallel=dp4", "parallel.ep=2"])
     m, b, s, h, k, E, L = 1, 2, 32, 32, 2, 4, 2
     rows = b * s * k * h * 4
@@ -660,7 +670,8 @@ def test_moe_traffic_and_flops_count_k_experts():
     """A mixture's layer: the FLOPs of k experts a token and the router (megalm.models.flops), and its bytes
     outside the matmuls counted on fake tensors as on real ones (the router's counts and the grouped matmul
     sized without values)."""
-    from megalm.plan.formulas import count_traffic, layer_and_head_flops_per_token
+    from megalm.plan.flops import layer_and_head_flops_per_token
+    from megalm.plan.traffic import count_traffic
     cfg = _compose(*MOE)
     layer, _ = layer_and_head_flops_per_token(cfg.model)
     dense, _ = layer_and_head_flops_per_token(dataclasses.replace(cfg.model, num_experts=0))
@@ -679,7 +690,8 @@ def test_expert_tensor_parallel_collectives_and_step_time_by_hand():
     estimate says too. Under ep with ZeRO-3 the experts' buckets are sharded and gathered over the dp / ep
     ranks holding them, every micro-batch in forward and backward."""
     from megalm.plan import compose, expert_params_per_layer, format_table, stage_params_estimate
-    from megalm.plan.formulas import collective_seconds, link, step_collectives, untracked_collectives, wire_factor
+    from megalm.plan.collective_time import collective_seconds, link, wire_factor
+    from megalm.plan.collectives import step_collectives, untracked_collectives
     cfg, world = compose([*MOE, "parallel=tp2", "parallel.expert_tp=2"])
     m, b, s, h, k, E, L, tp = 4, 2, 32, 32, 2, 4, 2, 2
     rows = b * s // tp * k * h * 4

@@ -1,4 +1,5 @@
-"""megalm.plan.formulas against what autograd really keeps for backward.
+"""megalm.plan's activation formulas (megalm.plan.activations, attention, moe) against what autograd really
+keeps for backward.
 
 Each case (GPT-2 and Llama layouts of the GPT family, and BERT's, on the family's own samples: BERT's
 mock ones, with padding and masked positions) builds the model as training does (meta -> parallelize ->
@@ -238,7 +239,7 @@ def _measure_all(rank, world, cfgs):
 
 def planned(overrides, rank):
     """The planner's figures for global rank `rank` (tp fastest: its pp rank is rank // (tp * cp * dp))."""
-    from megalm.plan.formulas import stage_activation_bytes
+    from megalm.plan.activations import stage_activation_bytes
     cfg, world = _config(overrides)
     pp_rank = rank // (world // cfg.parallel.pp)
     return stage_activation_bytes(cfg, world, pp_rank)
@@ -274,7 +275,7 @@ def test_in_flight_follows_the_schedule():
 
 def test_bad_inputs_are_clear_errors():
     from megalm.errors import ConfigError
-    from megalm.plan.formulas import layer_activation_bytes, stage_activation_bytes
+    from megalm.plan.activations import layer_activation_bytes, stage_activation_bytes
     cfg, world = _config([*GPT2, *PP2])
     with pytest.raises(ValueError, match=r"pp_rank=2 is outside the pipeline of parallel.pp=2"):
         stage_activation_bytes(cfg, world, 2)
@@ -351,7 +352,7 @@ def test_ring_attention_keeps_what_the_planner_counts(name):
     """`layer_terms`' attention term under context parallelism is what one layer's Attention keeps with the
     ring's core: exactly on cp rank 0 (the figure the planner reports), one log-sum-exp less on the others
     (their first query chunk sees more than one key chunk, so its merges start one step later)."""
-    from megalm.plan.formulas import layer_terms
+    from megalm.plan.activations import layer_terms
     cfg, world = _config([*RING_SHAPE, "parallel.cp=2", *RING[name]])
     cp = cfg.parallel.cp
     m, t = cfg.model, cfg.trainer
@@ -444,7 +445,8 @@ def test_moe_layer_keeps_what_the_planner_counts(name):
     it is not the layer's input itself: tp's cut shard) are what one MoE layer keeps under expert parallelism
     (the rows sent out and back), tp with and without sp (each rank routing its shard), expert tensor
     parallelism (the tp ranks' rows through this rank's slices of the experts) and cp."""
-    from megalm.plan.formulas import _moe_input, _shape, moe_kept_bytes
+    from megalm.plan.moe import _moe_input, moe_kept_bytes
+    from megalm.plan.shapes import _shape
     cfg, world = _config([*MOE, "trainer.global_batch_size=16", *MOE_LAYER[name]])
     p, t = cfg.parallel, cfg.trainer
     d = _shape(cfg, world)

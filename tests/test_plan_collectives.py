@@ -1,7 +1,7 @@
-"""megalm.plan.formulas against real training steps: on every rank of each layout, the collectives a
-step issues (count_comm: calls and bytes per kind; the scalars sent through torch.distributed directly,
-recorded here) equal step_collectives exactly, and the model state measured right after the optimizer
-step equals exact_model_state_bytes exactly, padding included.
+"""megalm.plan.collectives and megalm.plan.model_state against real training steps: on every rank of each
+layout, the collectives a step issues (count_comm: calls and bytes per kind; the scalars sent through
+torch.distributed directly, recorded here) equal step_collectives exactly, and the model state measured right
+after the optimizer step equals exact_model_state_bytes exactly, padding included.
 
 GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's), and
 context parallelism (the ring's sends, gradients and ZeRO shards over dp x cp), mixtures of experts (expert
@@ -222,8 +222,8 @@ CASES = [(i, o) for i, o in enumerate(TWO_RANKS + EIGHT_RANKS)] + list(SINGLE.it
 @pytest.mark.parametrize("index,overrides", CASES, ids=[" ".join(o) for _, o in CASES])
 def test_step_collectives_and_model_state_equal_a_real_step_on_every_rank(measured, index, overrides):
     from megalm.distributed.mesh import ParallelDims
-    from megalm.plan.formulas import (by_kind, exact_model_state_bytes, step_collectives,
-                                         untracked_collectives)
+    from megalm.plan.collectives import by_kind, step_collectives, untracked_collectives
+    from megalm.plan.model_state import exact_model_state_bytes
     cfg, world = _compose(overrides)
     dims = ParallelDims.from_config(cfg.parallel, world)
     ranks = measured[index]
@@ -242,7 +242,7 @@ def test_step_collectives_and_model_state_equal_a_real_step_on_every_rank(measur
 
 def test_what_the_layouts_exercise():
     """The checks above cover every term: each purpose and kind appears in some planned step."""
-    from megalm.plan.formulas import step_collectives
+    from megalm.plan.collectives import step_collectives
     seen = set()
     for overrides in TWO_RANKS + EIGHT_RANKS:
         planned = step_collectives(*_compose(overrides), 0, 0)
@@ -257,7 +257,7 @@ def test_what_the_layouts_exercise():
 def test_what_is_not_modelled_is_refused():
     import dataclasses
     from megalm.errors import ConfigError
-    from megalm.plan.formulas import step_collectives
+    from megalm.plan.collectives import step_collectives
     cfg, world = _compose(["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
                            "parallel.zero_stage=3"])
     with pytest.raises(ConfigError, match="zero_stage=3 with pipeline_schedule=zbv"):
@@ -276,7 +276,7 @@ def test_what_is_not_modelled_is_refused():
 def test_bad_arguments_are_refused():
     import torch
     from megalm.distributed.comm import record_p2p
-    from megalm.plan.formulas import exact_model_state_bytes
+    from megalm.plan.model_state import exact_model_state_bytes
     cfg, world = _compose(["parallel=tp2"])
     with pytest.raises(ValueError, match=r"tp_rank=2 is outside the layout's 2"):
         exact_model_state_bytes(cfg, world, 0, 2)

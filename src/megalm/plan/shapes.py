@@ -1,0 +1,126 @@
+"""The sizes the formulas read off a config: bytes an element, a rank's tokens of a sequence and micro-batches
+of a step, and `_Shape`, one micro-batch on one rank as the activation formulas (megalm.plan.activations,
+attention, moe) see it, resolved once from the config by `_shape`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megalm.errors import ConfigError
+
+FP32 = 4
+INT64 = 8
+_BERT_FINE_TUNING = ("BERT's fine-tuning heads (model.num_labels, num_choices, span_head) are not modelled by "
+                     "megalm.plan's activation and collective formulas, only its pretraining heads (MLM and "
+                     "sentence order): a classifier reads one pooled token a sequence and a span head every token, "
+                     "whose saved tensors, sequence-parallel gathers and loss scalars were not measured")
+
+
+def local_tokens(cfg) -> int:
+    """Tokens of a sequence on one rank: model.seq_length, or its 1 / cp under context parallelism
+    (megalm.parallel.context: two chunks of 2 x cp)."""
+    return cfg.model.seq_length // cfg.parallel.cp
+
+
+def microbatches(cfg, dp: int) -> int:
+    t = cfg.trainer
+    return t.global_batch_size // (t.micro_batch_size * dp)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What the formulas read, resolved once from the config: sizes of one micro-batch on one rank."""
+    s: int        # tokens a sequence on this rank: model.seq_length / cp
+    b: int        # sequences a micro-batch (times num_choices)
+    h: int
+    a: int        # query heads
+    kv: int       # key / value width, kv_heads * head_dim
+    groups: int   # query heads per kv head
+    f: int        # ffn width
+    vocab: int    # padded vocabulary rows at this tp
+    t: int
+    sp: bool
+    e: int        # bytes of a compute element: 4 (fp32), 2 (bf16 / fp16 autocast)
+    autocast: bool
+    cpu: bool
+    rope: bool
+    swiglu: bool
+    rmsnorm: bool
+    bias: bool
+    dropout: float
+    attention_dropout: float
+    lm_head: bool
+    bert: bool = False        # BERT's layers and heads (megalm.models.bert); the rest are GPT's
+    post_norm: bool = False   # BERT's norm_position=post: a norm after the embedding and after each residual
+    token_types: bool = False  # BERT's token-type embedding
+    binary_head: bool = False  # BERT's pooler and sentence-order head
+    cp: int = 1               # context-parallel ranks a sequence is split over (megalm.parallel.context)
+    hd: int = 0               # head_dim
+    # A mixture of experts in place of each layer's MLP (megalm.models.moe; model.num_experts > 0):
+    experts: int = 0          # E, every expert of a layer (0: a dense MLP)
+    topk: int = 0             # k experts a token
+    sigmoid: bool = False     # sigmoid scores (else softmax)
+    aux: bool = False         # the load-balancing loss is on (its softmax probabilities are kept)
+    z: bool = False           # the router z-loss is on (its log-sum-exp is kept)
+    capacity: Optional[float] = None  # moe_capacity_factor (None: dropless)
+    ep: int = 1               # expert-parallel ranks: a rank holds experts / ep of a layer
+    relu: bool = False
+    expert_tp: int = 1        # expert tensor parallelism (parallel.expert_tp): each expert split over tp
+    unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
+
+    @property
+    def seq(self) -> int:
+        """Divisor of the sequence-parallel region (norms, residual, hidden dropout)."""
+        return self.t if self.sp else 1
+
+    @property
+    def fused_attention(self) -> bool:
+        return not self.unfused and not (self.cpu and self.attention_dropout > 0)
+
+    def mask(self, element: int) -> int:
+        """Bytes a dropout keeps an element: CUDA's native_dropout a bool, CPU's a noise tensor of the input's dtype."""
+        return element if self.cpu else 1
+
+
+def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
+    from megalm.distributed.mesh import ParallelDims
+    m, p, tr = cfg.model, cfg.parallel, cfg.trainer
+    if m.arch not in ("gpt", "bert"):
+        raise ConfigError(f"activation memory is derived for the gpt and bert families' layers; model.arch={m.arch}")
+    bert = m.arch == "bert"
+    if bert and m.fine_tuning_head:
+        raise ConfigError(_BERT_FINE_TUNING)
+    if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
+        raise ConfigError(f"activation memory is derived for transformer_impl=local in fp32 / bf16 / fp16; got "
+                          f"model.transformer_impl={m.transformer_impl}, trainer.precision={tr.precision}")
+    device = device or ("cpu" if tr.device == "cpu" else "cuda")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}; choose cpu or cuda")
+    dims = ParallelDims.from_config(p, world)
+    if p.recompute not in ("none", "selective", "full"):
+        raise ConfigError(f"parallel.recompute={p.recompute} is not one of none, selective, full")
+    return _Shape(s=m.seq_length // dims.cp, b=tr.micro_batch_size * max(1, getattr(m, "num_choices", 0)),
+                  h=m.hidden_size, a=m.num_attention_heads, kv=m.kv_heads * m.head_dim,
+                  groups=m.num_attention_heads // m.kv_heads, f=m.ffn_size, vocab=m.padded_vocab(dims.tp), t=dims.tp,
+                  sp=p.sequence_parallel and dims.tp > 1,
+                  e=FP32 if tr.precision == "fp32" else 2, autocast=tr.precision != "fp32", cpu=device == "cpu",
+                  rope=getattr(m, "position_embedding", "learned") == "rope", swiglu=m.activation == "swiglu",
+                  rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
+                  attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False),
+                  bert=bert, post_norm=bert and m.norm_position == "post", token_types=bert and m.num_tokentypes > 0,
+                  binary_head=bert and m.binary_head, cp=dims.cp, hd=m.head_dim,
+                  experts=getattr(m, "num_experts", 0), topk=getattr(m, "moe_router_topk", 0),
+                  sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
+                  aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
+                  capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
+                  expert_tp=p.expert_tp if dims.tp > 1 else 1,
+                  unfused=_unfused(m, tr, device))
+
+
+def _unfused(m, tr, device: str) -> bool:
+    """Whether the run's attention is the unfused one (model.attention_backend, `auto` resolved as the layers do)."""
+    import torch
+    from megalm.ops.attention import attention_backend
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.precision, torch.float32)
+    return attention_backend(getattr(m, "attention_backend", "sdpa"), device, dtype, tr.compile != "none") == "unfused"
