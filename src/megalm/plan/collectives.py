@@ -10,7 +10,7 @@ from megalm.plan.expert_collectives import _moe_passes, expert_data_parallel, ex
 from megalm.plan.group_collectives import (Kinds, _add, context_parallel, data_parallel, embedding, other, pipeline,
                                            tensor_parallel)
 from megalm.plan.layout import RankLayout, rank_layout
-from megalm.plan.shapes import FP32, INT64, microbatches
+from megalm.plan.shapes import FP32, INT64, encoder, microbatches
 
 PURPOSES = ("tp", "cp", "ep", "pp", "dp", "edp", "embedding", "other")
 Collectives = Dict[str, Kinds]           # {purpose: Kinds}
@@ -20,7 +20,7 @@ def model_metrics(cfg) -> int:
     """Values the model logs beside its loss (its `metric_names`): BERT's pretraining heads lm_loss and
     mlm_acc, and with the binary head sop_loss and sop_acc; a GPT language model none."""
     m = cfg.model
-    return (2 + 2 * bool(m.binary_head)) if m.arch == "bert" else 0
+    return (2 + 2 * bool(m.binary_head)) if encoder(m) else 0
 
 
 def _untracked(cfg, lay: RankLayout) -> Collectives:
@@ -50,7 +50,7 @@ def _untracked(cfg, lay: RankLayout) -> Collectives:
         _add(out["other"], "all_reduce", 1 if k else 0, k * FP32)
     if cfg.trainer.precision == "fp16" and lay.tp * lay.pp * lay.replicas > 1:
         _add(out["other"], "all_reduce", 1, FP32)
-    if cfg.model.arch == "bert" and lay.tp > 1 and lay.last:
+    if encoder(cfg.model) and lay.tp > 1 and lay.last:
         m = microbatches(cfg, lay.dp)
         tokens = cfg.trainer.micro_batch_size * cfg.model.seq_length
         _add(out["tp"], "all_reduce", 2 * m, 2 * m * tokens * FP32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from megalm.plan.layout import RankLayout
-from megalm.plan.shapes import FP32, INT64, local_tokens, microbatches
+from megalm.plan.shapes import FP32, INT64, encoder, local_tokens, microbatches
 
 
 # The collectives of one optimizer step and the exact model state of one rank, as formulas.
@@ -108,7 +108,7 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     shard, shard_low = act // tp, act_low // tp                # (b, s/tp, h)
     layers = sum(lay.stage_layers)
     replayed = _replayed_layers(cfg, lay) if p.recompute == "full" else 0
-    post_norm = mdl.arch == "bert" and mdl.norm_position == "post"
+    post_norm = encoder(mdl) and mdl.norm_position == "post"
     moe = bool(getattr(mdl, "num_experts", 0))
     pairs = 1 if moe else 2  # column -> row pairs a layer: attention's, and the dense MLP's
     g_replayed = replayed * (2 if (mdl.dropout > 0 or post_norm) and not moe else 1)
@@ -136,7 +136,7 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
         if sp:
             _add(per_mb, "all_gather", 1, shard)
             _add(per_mb, "reduce_scatter", 1, act)
-            if mdl.arch == "bert" and mdl.binary_head:
+            if encoder(mdl) and mdl.binary_head:
                 _add(per_mb, "all_gather", 1, shard)  # the pooler's gather of the sequence
         else:
             _add(per_mb, "all_reduce", 1, act)
@@ -157,7 +157,7 @@ def boundary_messages(cfg, tp: int) -> Tuple[List[int], int]:
     mdl, t = cfg.model, cfg.trainer
     seq = local_tokens(cfg) // tp if cfg.parallel.sequence_parallel else local_tokens(cfg)
     msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
-    return [msg] + ([t.micro_batch_size * mdl.seq_length * INT64] if mdl.arch == "bert" else []), msg
+    return [msg] + ([t.micro_batch_size * mdl.seq_length * INT64] if encoder(mdl) else []), msg
 
 
 def pipeline(cfg, lay: RankLayout) -> Kinds:

@@ -10,7 +10,7 @@ from typing import Dict, Tuple
 
 from megalm.errors import ConfigError
 from megalm.parallel.stages import virtual_stages_of
-from megalm.plan.shapes import _BERT_FINE_TUNING
+from megalm.plan.shapes import check_modelled
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv")  # weight-gradient passes of their own (no accumulate hooks)
 
@@ -63,12 +63,7 @@ _CACHE: Dict[tuple, RankLayout] = {}
 def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int, cp_rank: int = 0):
     from megalm.distributed.mesh import ParallelDims
     m, p, d = cfg.model, cfg.parallel, cfg.data
-    if m.arch == "bert" and m.fine_tuning_head:
-        raise ConfigError(_BERT_FINE_TUNING)
-    if m.arch not in ("gpt", "bert") or getattr(m, "fine_tuning_head", False):
-        raise ConfigError(f"megalm.plan's collective formulas cover GPT language models and BERT's pretraining; "
-                          f"model.arch={m.arch!r}{' with a fine-tuning head' if m.arch == 'gpt' else ''} is not "
-                          "modelled yet")
+    check_modelled(m, "megalm.plan's collective formulas")
     if d.source == "sft" and d.packing:
         raise ConfigError("data.packing=true: stage boundaries then carry position and segment ids, which "
                           "megalm.plan's collective formulas do not model yet")

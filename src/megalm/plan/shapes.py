@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megalm.errors import ConfigError
+from megalm.models.registry import family_of
 
 FP32 = 4
 INT64 = 8
@@ -83,12 +84,32 @@ class _Shape:
         return element if self.cpu else 1
 
 
+def encoder(m) -> bool:
+    """The model is an encoder (its family's kind): the formulas count BERT's layers and heads for it (a post-norm
+    option, token types, the MLM head, pooler and sentence-order head, each read from the config), and GPT's
+    pre-norm decoder block for a decoder family."""
+    return family_of(m.arch).kind == "encoder"
+
+
+def check_modelled(m, what: str) -> None:
+    """A ConfigError unless the formulas of `what` cover the model: a decoder language model, or an encoder's
+    pretraining (megalm.family.KINDS; an encoder-decoder, or a fine-tuning head, is not modelled)."""
+    kind = family_of(m.arch).kind
+    if kind == "encoder" and getattr(m, "fine_tuning_head", False):
+        raise ConfigError(_BERT_FINE_TUNING)
+    if kind not in ("decoder", "encoder") or getattr(m, "fine_tuning_head", False):
+        raise ConfigError(f"{what} cover decoder language models and encoders' pretraining; model.arch={m.arch!r} "
+                          + ("with a fine-tuning head" if kind == "decoder" else f"(an {kind})") + " is not modelled yet")
+
+
 def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
     from megalm.distributed.mesh import ParallelDims
     m, p, tr = cfg.model, cfg.parallel, cfg.trainer
-    if m.arch not in ("gpt", "bert"):
-        raise ConfigError(f"activation memory is derived for the gpt and bert families' layers; model.arch={m.arch}")
-    bert = m.arch == "bert"
+    kind = family_of(m.arch).kind
+    if kind not in ("decoder", "encoder"):
+        raise ConfigError(f"activation memory is derived for decoder and encoder layers; model.arch={m.arch} is an "
+                          f"{kind}")
+    bert = kind == "encoder"
     if bert and m.fine_tuning_head:
         raise ConfigError(_BERT_FINE_TUNING)
     if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
@@ -108,8 +129,9 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   rope=getattr(m, "position_embedding", "learned") == "rope", swiglu=m.activation == "swiglu",
                   rmsnorm=m.normalization == "rmsnorm", bias=m.bias, dropout=m.dropout,
                   attention_dropout=m.attention_dropout, lm_head=not getattr(m, "fine_tuning_head", False),
-                  bert=bert, post_norm=bert and m.norm_position == "post", token_types=bert and m.num_tokentypes > 0,
-                  binary_head=bert and m.binary_head, cp=dims.cp, hd=m.head_dim,
+                  bert=bert, post_norm=bert and getattr(m, "norm_position", "pre") == "post",
+                  token_types=bert and getattr(m, "num_tokentypes", 0) > 0,
+                  binary_head=bert and getattr(m, "binary_head", False), cp=dims.cp, hd=m.head_dim,
                   experts=getattr(m, "num_experts", 0), topk=getattr(m, "moe_router_topk", 0),
                   sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
                   aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
-from megalm.plan.shapes import FP32, local_tokens
+from megalm.plan.shapes import FP32, encoder, local_tokens
 
 
 # A stage's FLOPs time its matmuls and attention; the rest of a step (norms, residual adds, the
@@ -264,7 +264,7 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
     if cfg.trainer.precision != "fp32":  # the logits' cast to fp32 and the gradient's back: 2 + 4 bytes each way
         fwd_bytes += 6 * elements
         bwd_bytes += 6 * elements
-    if m.arch == "bert":  # the MLM accuracy
+    if encoder(m):  # the MLM accuracy
         fwd_bytes += FP32 * elements * (3 if tp > 1 else m.vocab_size / m.padded_vocab(tp))
         fwd_bytes += 6 * elements if cfg.trainer.precision != "fp32" else 0
     return fwd_bytes, bwd_bytes
