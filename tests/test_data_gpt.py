@@ -14,7 +14,7 @@ import torch
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, MicroBatchLoader,
                          build_data, build_gpt_indices, eod_loss_mask, num_samples_for, parse_blend)
-from megalm.data import cache as cache_module
+from megalm.data.formats import cache as cache_module
 from megalm.data import gpt_dataset as gpt_module
 from megalm.data.blended import blending_indices, blending_indices_reference, per_dataset_samples
 from megalm.data.loader import DataExhaustedError, blend_spec

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from megalm.data.corpora import stdlib_corpus
-from megalm.data.indexed import IndexedDatasetWriter
+from megalm.data.formats.indexed_writer import IndexedDatasetWriter
 from megalm.data.provenance import write_provenance
 from megalm.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 
@@ -339,7 +339,7 @@ def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     """Latin-1 bytes (é as 0xE9) on line 2 of each reader's file: a DataError naming the file and line, not a
     UnicodeDecodeError's traceback. A byte-order mark and CRLF line ends still read."""
     from megalm.data.classification import read_examples
-    from megalm.data.jsonl import json_lines, parallel_lines
+    from megalm.data.formats.jsonl import json_lines, parallel_lines
     from megalm.errors import DataError
     bad = "not UTF-8 text (invalid continuation byte at byte {at} of the line); re-encode it as UTF-8"
     files = {"a.jsonl": b'{"text": "fine", "label": 0}\r\n{"text": "caf\xe9 ok", "label": 1}\n',

@@ -263,7 +263,7 @@ class BertDataset:
     def __init__(self, indexed, documents: range, seq_length: int, seed: int, name: str = "train",
                  num_samples: Optional[int] = None, *, tokenizer, binary_head: bool = True,
                  short_seq_prob: float = SHORT_SEQ_PROB, cache_dir=None):
-        from megalm.data.cache import load_or_build
+        from megalm.data.formats.cache import load_or_build
         from megalm.data.sentence_index import build_sentence_mapping
         if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
             raise DataError(f"{name} split: documents {documents} are not a contiguous range within the "

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines, not_utf8, text_lines
+from megalm.data.formats.jsonl import json_lines, not_utf8, text_lines
 from megalm.errors import ConfigError, DataError, not_a_file
 
 # task -> (text column, pair column or None, label column, label names or None for a regression; None header = CoLA)

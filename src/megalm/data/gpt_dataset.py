@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import numpy as np
 
-from megalm.data.cache import load_or_build
-from megalm.data.indexed import IndexedDataset
+from megalm.data.formats.cache import load_or_build
+from megalm.data.formats.indexed import IndexedDataset
 from megalm.errors import DataError
 
 if TYPE_CHECKING:

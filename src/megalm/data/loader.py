@@ -24,9 +24,11 @@ import torch
 
 from megalm.config import DataConfig
 from megalm.data.blended import BlendedDataset, blend_size, per_dataset_samples
-from megalm.data.corpora import StdlibCorpus, StdlibDocstrings, locked, stable_hash, stdlib_corpus
+from megalm.data.corpora import StdlibCorpus, StdlibDocstrings, stdlib_corpus
+from megalm.data.formats.cache import locked, stable_hash
 from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, gpt_batch
-from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
+from megalm.data.formats.indexed import IndexedDataset, best_dtype
+from megalm.data.formats.indexed_writer import IndexedDatasetWriter
 from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.sentences import split_sentences
 from megalm.data.sft import SFTDataset, pack_examples, read_examples, read_records

@@ -47,7 +47,8 @@ from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tu
 import numpy as np
 
 from megalm.config import TokenizerConfig
-from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype, merge_datasets
+from megalm.data.formats.indexed import IndexedDataset, best_dtype
+from megalm.data.formats.indexed_writer import IndexedDatasetWriter, merge_datasets
 from megalm.data import sentences
 from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance, write_record
 from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer

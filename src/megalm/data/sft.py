@@ -28,7 +28,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines, parallel_lines
+from megalm.data.formats.jsonl import json_lines, parallel_lines
 from megalm.errors import ConfigError, DataError, not_a_file
 
 ROLES = ("system", "user", "assistant")

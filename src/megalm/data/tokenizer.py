@@ -28,7 +28,8 @@ from typing import Iterable, List, Optional, Sequence, Union
 
 import sentencepiece as spm
 
-from megalm.data.corpora import StdlibCorpus, locked, stable_hash
+from megalm.data.corpora import StdlibCorpus
+from megalm.data.formats.cache import locked, stable_hash
 from megalm.errors import ConfigError, DataError, MissingFileError
 
 log = logging.getLogger("megalm.data")
