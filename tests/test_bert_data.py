@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megalm.data.bert_dataset import MockBertDataset, Specials, bert_sample
-from megalm.data.tokenizer import NullTokenizer
+from megalm.data.tokenizers.base import NullTokenizer
 from megalm.models.losses import IGNORE
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3

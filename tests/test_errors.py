@@ -26,7 +26,7 @@ import torch
 from megalm.data.corpora import stdlib_corpus
 from megalm.data.formats.indexed_writer import IndexedDatasetWriter
 from megalm.data.provenance import write_provenance
-from megalm.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megalm.data.tokenizers.sentencepiece import SentencePieceTokenizer, train_sentencepiece
 
 QUICK = ["model=gpt_tiny", "logging.curves=false", "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_steps=1",
          "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "cluster.peak_flops=1e12"]

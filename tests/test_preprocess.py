@@ -22,7 +22,7 @@ from megalm.data import preprocess as pp
 from megalm.data.provenance import (check_corpus_tokenizer, describe, read_provenance, sidecar_path,
                                    tokenizer_record)
 from megalm.data.sentences import split_sentences
-from megalm.data.train_tokenizer import train as train_tokenizer
+from megalm.data.tokenizers.training import train as train_tokenizer
 from megalm.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,7 +366,7 @@ def test_padded_vocab_size_is_megatrons():
 
 def gpt2_style_json(texts, vocab_size=500) -> str:
     """A GPT-2 byte-level BPE tokenizer.json, trained here with the tokenizers trainer."""
-    from megalm.data.train_tokenizer import train_bytelevel_bpe
+    from megalm.data.tokenizers.training import train_bytelevel_bpe
     return train_bytelevel_bpe(iter(texts), vocab_size)
 
 
@@ -424,7 +424,7 @@ def test_hf_llama_tokenizer_json(texts, tmp_path):
 
 def test_preprocess_and_train_with_a_hf_tokenizer(jsonl, texts, tmp_path):
     tok_dir = tmp_path / "hf"
-    from megalm.data.train_tokenizer import train
+    from megalm.data.tokenizers.training import train
     tok = train([str(jsonl)], str(tok_dir), vocab_size=700, kind="bytelevel-bpe")
     cfg = TokenizerConfig(type="huggingface", model=str(tok_dir))
     pp.preprocess([str(jsonl)], str(tmp_path / "hf"), tokenizer=cfg, append_eod=True, workers=2, chunk_mb=0.05)

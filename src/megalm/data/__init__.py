@@ -18,8 +18,10 @@ _EXPORTS = {
     "megalm.data.formats.indexed_writer": ("IndexedDatasetWriter", "merge_datasets"),
     "megalm.data.loader": ("DataBundle", "DataExhaustedError", "MicroBatchLoader", "build_data", "build_data_tokenizer",
                            "collate", "num_samples_for", "split_documents"),
-    "megalm.data.tokenizer": ("HuggingFaceTokenizer", "NullTokenizer", "SentencePieceTokenizer", "Tokenizer",
-                              "load_tokenizer", "build_tokenizer", "padded_vocab_size"),
+    "megalm.data.tokenizers.base": ("NullTokenizer", "Tokenizer", "padded_vocab_size"),
+    "megalm.data.tokenizers.sentencepiece": ("SentencePieceTokenizer",),
+    "megalm.data.tokenizers.huggingface": ("HuggingFaceTokenizer",),
+    "megalm.data.tokenizers.build": ("load_tokenizer", "build_tokenizer"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -122,7 +122,7 @@ def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
 def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, workers=(1, 2)) -> List[Dict]:
     from megalm.config import TokenizerConfig
     from megalm.data import preprocess as pp
-    from megalm.data.train_tokenizer import train
+    from megalm.data.tokenizers.training import train
     jsonl = workdir / "stdlib.jsonl"
     corpus = make_stdlib_jsonl(jsonl, mb) if not jsonl.is_file() or abs(jsonl.stat().st_size - mb * 1e6) > 1e6 \
         else {"path": str(jsonl), "bytes": jsonl.stat().st_size}

@@ -33,7 +33,8 @@ from megalm.data.provenance import check_corpus_tokenizer, write_provenance
 from megalm.data.sentences import split_sentences
 from megalm.data.sft import SFTDataset, pack_examples, read_examples, read_records
 from megalm.data.spec import blend_spec, split_weights
-from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
+from megalm.data.tokenizers.base import NullTokenizer, Tokenizer
+from megalm.data.tokenizers.build import build_tokenizer, load_tokenizer
 from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")

@@ -51,7 +51,8 @@ from megalm.data.formats.indexed import IndexedDataset, best_dtype
 from megalm.data.formats.indexed_writer import IndexedDatasetWriter, merge_datasets
 from megalm.data import sentences
 from megalm.data.provenance import describe, read_provenance, sidecar_path, write_provenance, write_record
-from megalm.data.tokenizer import TOKENIZER_TYPES, Tokenizer, build_tokenizer
+from megalm.data.tokenizers.base import Tokenizer
+from megalm.data.tokenizers.build import TOKENIZER_TYPES, build_tokenizer
 from megalm.data.workers import Workers
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors
 
