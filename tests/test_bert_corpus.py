@@ -19,9 +19,9 @@ import torch
 
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import IndexedDataset, build_data, build_tokenizer
-from megalm.data import preprocess as pp
+from megalm.data.corpora import preprocess as pp
 from megalm.data.bert_dataset import BertDataset, BertSamples, bert_specials, continuing_pieces
-from megalm.data.corpora import StdlibDocstrings, stdlib_corpus
+from megalm.data.corpora.stdlib import StdlibDocstrings, stdlib_corpus
 from megalm.errors import DataError
 from megalm.models.losses import IGNORE
 
@@ -168,7 +168,7 @@ def test_wordpiece_tokenizer_json_gives_bert_tokens_and_word_pieces(corpus):
 # ---------------------------------------------------------------- the embedded prose corpus
 
 def test_stdlib_docstrings_are_prose_in_source_order():
-    from megalm.data.corpora import docstrings
+    from megalm.data.corpora.stdlib import docstrings
     source = ('"""Module."""\nif True:\n    def f():\n        """F.\n\n        Indented more."""\n'
               'class A:\n    """A."""\n    async def g(self):\n        """G."""\n    x = """not a docstring"""\n')
     assert docstrings(source) == ["Module.", "F.\n\nIndented more.", "A.", "G."]

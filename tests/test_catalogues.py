@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megalm.data.catalogues import catalogue_pairs, main, prompt, write_pairs
+from megalm.data.catalogues import main
+from megalm.data.corpora.catalogues import catalogue_pairs, prompt, write_pairs
 from megalm.errors import ConfigError, DataError
 
 

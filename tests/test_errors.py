@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.corpora import stdlib_corpus
+from megalm.data.corpora.stdlib import stdlib_corpus
 from megalm.data.formats.indexed_writer import IndexedDatasetWriter
 from megalm.data.provenance import write_provenance
 from megalm.data.tokenizers.sentencepiece import SentencePieceTokenizer, train_sentencepiece

@@ -18,10 +18,10 @@ import pytest
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (HuggingFaceTokenizer, IndexedDataset, build_data, build_tokenizer, load_tokenizer,
                          padded_vocab_size, stdlib_corpus)
-from megalm.data import preprocess as pp
+from megalm.data.corpora import preprocess as pp
 from megalm.data.provenance import (check_corpus_tokenizer, describe, read_provenance, sidecar_path,
                                    tokenizer_record)
-from megalm.data.sentences import split_sentences
+from megalm.data.corpora.sentences import split_sentences
 from megalm.data.tokenizers.training import train as train_tokenizer
 from megalm.errors import ConfigError, DataError
 
@@ -569,7 +569,7 @@ def test_writer_takes_documents_of_several_sequences(tmp_path):
 def test_sentences_that_tokenize_to_nothing_are_dropped(sp_cfg, tmp_path, monkeypatch):
     """split_sentences never gives a blank sentence, but a tokenizer may still map a sentence to no
     ids: such sentences are left out, and a document of nothing else is skipped as empty."""
-    from megalm.data import sentences
+    from megalm.data.corpora import sentences
     monkeypatch.setattr(sentences, "split_sentences", lambda text: text.split("|"))  # keeps "" sentences
     (tmp_path / "in.jsonl").write_text('{"text": "One.||Two."}\n{"text": "|"}\n{"text": "Three."}\n')
     stats = pp.preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "s"), tokenizer=sp_cfg, append_eod=True,

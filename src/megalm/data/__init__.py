@@ -10,7 +10,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "megalm.data.corpora": ("StdlibCorpus", "stdlib_corpus"),
+    "megalm.data.corpora.stdlib": ("StdlibCorpus", "stdlib_corpus"),
     "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask", "gpt_batch"),
     "megalm.data.blended": ("BlendedDataset", "blending_indices"),
     "megalm.data.spec": ("blend_spec", "parse_blend", "split_weights"),

@@ -102,7 +102,7 @@ def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]
 
 def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
     """JSON lines of the stdlib's *.py files, repeated until the file holds `mb` MB."""
-    from megalm.data.corpora import stdlib_corpus
+    from megalm.data.corpora.stdlib import stdlib_corpus
     corpus = stdlib_corpus()
     limit = int(mb * 1e6)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
 
 def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, workers=(1, 2)) -> List[Dict]:
     from megalm.config import TokenizerConfig
-    from megalm.data import preprocess as pp
+    from megalm.data.corpora import preprocess as pp
     from megalm.data.tokenizers.training import train
     jsonl = workdir / "stdlib.jsonl"
     corpus = make_stdlib_jsonl(jsonl, mb) if not jsonl.is_file() or abs(jsonl.stat().st_size - mb * 1e6) > 1e6 \

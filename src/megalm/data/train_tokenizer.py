@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from megalm.data.preprocess import TEXT_DOCUMENT_MODES
+from megalm.data.formats.corpus_files import TEXT_DOCUMENT_MODES
 from megalm.data.tokenizers.sentencepiece import MAX_SENTENCES
 from megalm.data.tokenizers.training import train
 from megalm.errors import cli_errors

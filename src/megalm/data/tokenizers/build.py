@@ -10,7 +10,7 @@ import os
 from pathlib import Path
 from typing import Optional, Union
 
-from megalm.data.corpora import StdlibCorpus
+from megalm.data.corpora.stdlib import StdlibCorpus
 from megalm.data.tokenizers.base import NullTokenizer, Tokenizer
 from megalm.data.tokenizers.huggingface import HF_SIDECAR, HuggingFaceTokenizer
 from megalm.data.tokenizers.sentencepiece import SentencePieceTokenizer

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from megalm.data.preprocess import PreprocessError, _texts_of, expand_inputs, read_chunks
+from megalm.data.formats.corpus_files import PreprocessError, expand_inputs, read_chunks, texts_of
 from megalm.data.tokenizers.base import Tokenizer
 from megalm.data.tokenizers.huggingface import HuggingFaceTokenizer, import_tokenizers
 from megalm.data.tokenizers.sentencepiece import (MAX_SENTENCES, SentencePieceTokenizer, train_sentencepiece,
@@ -30,7 +30,7 @@ def iter_texts(inputs: Sequence[str], json_keys: Sequence[str] = ("text",), inpu
     """The documents' text, streamed, as preprocessing would see it."""
     files = expand_inputs(inputs)
     for chunk in read_chunks(files, input_format=input_format, text_document=text_document):
-        for values in _texts_of(chunk, tuple(json_keys)).values():
+        for values in texts_of(chunk, tuple(json_keys)).values():
             for v in values:
                 if not isinstance(v, str):
                     raise PreprocessError(f"{chunk.file}: a tokenizer trains on text, not lists of ids")
