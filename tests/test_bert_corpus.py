@@ -20,7 +20,8 @@ import torch
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import IndexedDataset, build_data, build_tokenizer
 from megalm.data.corpora import preprocess as pp
-from megalm.data.bert_dataset import BertDataset, BertSamples, bert_specials, continuing_pieces
+from megalm.data.samples.bert import BertDataset, BertSamples
+from megalm.data.samples.masking import bert_specials, continuing_pieces
 from megalm.data.corpora.stdlib import StdlibDocstrings, stdlib_corpus
 from megalm.errors import DataError
 from megalm.models.losses import IGNORE
@@ -134,7 +135,7 @@ def test_bert_dataset_needs_bert_tokens_and_sentences(corpus, tmp_path):
 # ---------------------------------------------------------------- special tokens
 
 def test_sentencepiece_special_tokens_are_reserved_and_found(tmp_path):
-    from megalm.data.bert_dataset import BERT_SPECIAL_TOKENS
+    from megalm.data.samples.masking import BERT_SPECIAL_TOKENS
     from megalm.data.train_tokenizer import main as train_tokenizer_main
     texts = list(StdlibDocstrings(stdlib_corpus(max_corpus_mb=1)).texts())
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))

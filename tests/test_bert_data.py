@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.bert_dataset import MockBertDataset, Specials, bert_sample
+from megalm.data.samples.bert import MockBertDataset, bert_sample
+from megalm.data.samples.masking import Specials
 from megalm.data.tokenizers.base import NullTokenizer
 from megalm.models.losses import IGNORE
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets import helpers
 
-from megalm.data.sentence_index import LONG_SENTENCE, MT19937_64, build_sentence_mapping, mt19937
+from megalm.data.samples.sentence_index import LONG_SENTENCE, MT19937_64, build_sentence_mapping, mt19937
 from megalm.errors import DataError
 
 ONE_EPOCH = None

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from megalm.data.classification import read_examples
+from megalm.data.tasks.classification import read_examples
 from megalm.errors import ConfigError, DataError
 
 

@@ -14,8 +14,8 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from megalm.data.bert_dataset import Specials
-from megalm.data.squad import Question, Window, answer_text, read_squad, windows, words_of
+from megalm.data.samples.masking import Specials
+from megalm.data.tasks.squad import Question, Window, answer_text, read_squad, windows, words_of
 from megalm.errors import ConfigError, DataError
 from megalm.evaluate.squad import best_answer, exact_match, f1, normalize_answer, squad_scores
 

@@ -11,8 +11,8 @@ from typing import Any
 
 _EXPORTS = {
     "megalm.data.corpora.stdlib": ("StdlibCorpus", "stdlib_corpus"),
-    "megalm.data.gpt_dataset": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask", "gpt_batch"),
-    "megalm.data.blended": ("BlendedDataset", "blending_indices"),
+    "megalm.data.samples.gpt": ("GPTDataset", "MockGPTDataset", "build_gpt_indices", "eod_loss_mask", "gpt_batch"),
+    "megalm.data.samples.blended": ("BlendedDataset", "blending_indices"),
     "megalm.data.spec": ("blend_spec", "parse_blend", "split_weights"),
     "megalm.data.formats.indexed": ("IndexedDataset", "best_dtype"),
     "megalm.data.formats.indexed_writer": ("IndexedDatasetWriter", "merge_datasets"),

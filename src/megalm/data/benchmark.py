@@ -34,7 +34,7 @@ def _emit(record: Dict) -> None:
 
 
 def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2048) -> List[Dict]:
-    from megalm.data.gpt_dataset import build_gpt_indices
+    from megalm.data.samples.gpt import build_gpt_indices
     rng = np.random.default_rng(0)
     sizes = rng.geometric(1 / mean, size=num_docs).astype(np.int32)
     tokens = int(sizes.sum(dtype=np.int64))
@@ -53,7 +53,7 @@ def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2
 
 
 def bench_blend(size: int = 10_000_000) -> List[Dict]:
-    from megalm.data.blended import blending_indices, blending_indices_reference
+    from megalm.data.samples.blended import blending_indices, blending_indices_reference
     out = []
     rng = np.random.default_rng(0)
     for k in (2, 3, 8):
@@ -74,7 +74,7 @@ def bench_blend(size: int = 10_000_000) -> List[Dict]:
 
 
 def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]:
-    from megalm.data.sentence_index import build_sentence_mapping
+    from megalm.data.samples.sentence_index import build_sentence_mapping
     try:
         from megatron.core.datasets import helpers
     except ImportError:

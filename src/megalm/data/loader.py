@@ -23,14 +23,16 @@ import numpy as np
 import torch
 
 from megalm.config import DataConfig
-from megalm.data.blended import BlendedDataset, blend_size, per_dataset_samples
+from megalm.data.samples.blended import BlendedDataset, blend_size, per_dataset_samples
 from megalm.data.corpora.cached_tokens import tokenize_corpus
 from megalm.data.corpora.stdlib import StdlibCorpus, StdlibDocstrings, stdlib_corpus
 from megalm.data.formats.cache import stable_hash
 from megalm.data.formats.indexed import IndexedDataset
-from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, gpt_batch
+from megalm.data.samples.gpt import GPTDataset, GPTSamples, MockGPTDataset, eod_loss_mask, gpt_batch
 from megalm.data.provenance import check_corpus_tokenizer
-from megalm.data.sft import SFTDataset, pack_examples, read_examples, read_records
+from megalm.data.tasks.classification import ClassificationDataset, read_examples as read_classification_examples
+from megalm.data.tasks.sft import SFTDataset, pack_examples, read_examples, read_records
+from megalm.data.tasks.squad import read_squad
 from megalm.data.spec import blend_spec, split_weights
 from megalm.data.tokenizers.base import NullTokenizer, Tokenizer
 from megalm.data.tokenizers.build import build_tokenizer, load_tokenizer
@@ -152,40 +154,6 @@ def _stdlib_text(cfg: DataConfig) -> Union[StdlibCorpus, StdlibDocstrings]:
     return StdlibDocstrings(code) if cfg.source == "stdlib_prose" else code
 
 
-class GPTSamples:
-    """GPT's packed token sequences (Megatron's GPTDataset): the default `samples` of build_data.
-    Splits and samples go per sequence, as megatron-core's GPT data does (documents, unless the
-    file is sentence-split)."""
-
-    split_by = "sequences"
-
-    def __init__(self, model_cfg=None):
-        self.num_labels = getattr(model_cfg, "num_labels", 0)
-        self.num_choices = getattr(model_cfg, "num_choices", 0)
-
-    def classification(self, tokenizer: Tokenizer, seq_length: int):
-        """example -> sample (megalm.data.classification.Example to decoder_pair_sample's dict; multiple
-        choice: context <eod> choice <eod> for each choice, stacked)."""
-        from megalm.data.classification import stack_choices
-        from megalm.data.gpt_dataset import decoder_pair_sample
-
-        def make(example):
-            text = tokenizer.encode(example.text)
-            if example.choices is not None:
-                return stack_choices([decoder_pair_sample(text, tokenizer.encode(c), example.label, seq_length,
-                                                          tokenizer.eod) for c in example.choices])
-            pair = tokenizer.encode(example.pair) if example.pair is not None else None
-            return decoder_pair_sample(text, pair, example.label, seq_length, tokenizer.eod)
-        return make
-
-    def mock(self, tokenizer: Tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
-        return MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name, num_samples)
-
-    def dataset(self, indexed: IndexedDataset, documents: range, *, tokenizer: Tokenizer, seq_length: int,
-                seed: int, name: str, num_samples: Optional[int], cache_dir: Path) -> GPTDataset:
-        return GPTDataset(indexed, documents, seq_length, seed, name, num_samples, cache_dir)
-
-
 def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
                num_samples: Optional[Mapping[str, Optional[int]]] = None,
                tokenizer: Optional[Tokenizer] = None, samples: Optional[Any] = None) -> DataBundle:
@@ -246,13 +214,13 @@ def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
 def _classification_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
                          requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
     """data.paths for training, data.valid_paths for validation (empty: data.split of data.paths)."""
-    from megalm.data.classification import ClassificationDataset, read_examples
     if not hasattr(samples, "classification"):
         raise DataError("data.source=classification: this model family has no classification samples")
     make = samples.classification(tokenizer, seq_length)
-    train = read_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
+    train = read_classification_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
     if cfg.valid_paths:
-        valid = read_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
+        valid = read_classification_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels,
+                                             samples.num_choices)
     else:
         parts = split_documents(len(train), cfg.split)
         train, valid = [train[j] for j in parts[0]], [train[j] for j in parts[1]]
@@ -265,8 +233,6 @@ def _qa_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
              requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
     """SQuAD files: data.paths for training, data.valid_paths for validation (empty: data.split of the
     questions); every window of every question is a sample."""
-    from megalm.data.classification import ClassificationDataset
-    from megalm.data.squad import read_squad
     if not hasattr(samples, "qa"):
         raise DataError("data.source=qa: this model family has no extractive-QA samples")
     make = samples.qa(tokenizer, seq_length, cfg.doc_stride, cfg.max_query_length)

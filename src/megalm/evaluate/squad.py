@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.squad import Question, Window, answer_text
+from megalm.data.tasks.squad import Question, Window, answer_text
 from megalm.errors import DataError
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -149,7 +149,7 @@ def squad(cfg, model, tokenizer, path, batch_size: int, *, n_best: int = 20, max
     import torch
 
     from megalm.data.loader import collate
-    from megalm.data.squad import read_squad, words_of
+    from megalm.data.tasks.squad import read_squad, words_of
     from megalm.errors import ConfigError
     from megalm.models import family_of
     m = cfg.model
