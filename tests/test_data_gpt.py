@@ -17,7 +17,8 @@ from megalm.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedData
 from megalm.data.formats import cache as cache_module
 from megalm.data.samples import gpt as gpt_module
 from megalm.data.samples.blended import blending_indices, blending_indices_reference, per_dataset_samples
-from megalm.data.loader import DataExhaustedError, blend_spec
+from megalm.data.loader import DataExhaustedError
+from megalm.data.spec import blend_spec
 
 EOD = 999
 
