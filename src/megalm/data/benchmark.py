@@ -28,13 +28,17 @@ from typing import Dict, List
 
 import numpy as np
 
+from megalm.data.corpora.stdlib import stdlib_corpus
+from megalm.data.samples.blended import blending_indices, blending_indices_reference
+from megalm.data.samples.gpt import build_gpt_indices
+from megalm.data.samples.sentence_index import build_sentence_mapping
+
 
 def _emit(record: Dict) -> None:
     print(json.dumps(record), flush=True)
 
 
 def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2048) -> List[Dict]:
-    from megalm.data.samples.gpt import build_gpt_indices
     rng = np.random.default_rng(0)
     sizes = rng.geometric(1 / mean, size=num_docs).astype(np.int32)
     tokens = int(sizes.sum(dtype=np.int64))
@@ -53,7 +57,6 @@ def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2
 
 
 def bench_blend(size: int = 10_000_000) -> List[Dict]:
-    from megalm.data.samples.blended import blending_indices, blending_indices_reference
     out = []
     rng = np.random.default_rng(0)
     for k in (2, 3, 8):
@@ -74,9 +77,8 @@ def bench_blend(size: int = 10_000_000) -> List[Dict]:
 
 
 def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]:
-    from megalm.data.samples.sentence_index import build_sentence_mapping
     try:
-        from megatron.core.datasets import helpers
+        from megatron.core.datasets import helpers  # optional: megatron-core's C++, to compare with
     except ImportError:
         helpers = None
     rng = np.random.default_rng(0)
@@ -102,7 +104,6 @@ def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]
 
 def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
     """JSON lines of the stdlib's *.py files, repeated until the file holds `mb` MB."""
-    from megalm.data.corpora.stdlib import stdlib_corpus
     corpus = stdlib_corpus()
     limit = int(mb * 1e6)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,6 +121,7 @@ def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
 
 
 def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, workers=(1, 2)) -> List[Dict]:
+    # lazy: only this benchmark needs Hydra's config and sentencepiece, 0.4 s of the command's start-up
     from megalm.config import TokenizerConfig
     from megalm.data.corpora import preprocess as pp
     from megalm.data.tokenizers.training import train

@@ -51,6 +51,7 @@ def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int,
                 specials: Specials, token_lookup: Sequence[int], binary_head: bool,
                 continues_word: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """One sample from the sentences of a sample-index entry (megatron-core's __getitem__)."""
+    # lazy: megalm.models brings in torch and every model family, which this module does without
     from megalm.models.losses import IGNORE
     pivot, is_random = len(sentences), False
     if binary_head:

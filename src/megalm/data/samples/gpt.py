@@ -176,6 +176,7 @@ def gpt_batch(samples: torch.Tensor, eod: Optional[int] = None) -> Dict[str, tor
     """The batch a GPT model trains on, from (mbs, seq_length + 1) samples: inputs `tokens` and
     next-token `labels` (mbs, seq_length), and `loss_mask` (float; with `eod`, Megatron's
     --eod-mask-loss zeroes the positions whose input is eod, and their labels are IGNORE)."""
+    # lazy: torch and megalm.models (every model family) only where a batch is made; the rest does without
     import torch
     from megalm.models.losses import IGNORE
     tokens, labels = samples[:, :-1], samples[:, 1:]

@@ -121,6 +121,7 @@ def _fields(encoder: List[int], decoder_in: List[int], decoder_out: List[int], s
             pad: int) -> Dict[str, np.ndarray]:
     """The batch fields of one sample, padded: the encoder's tokens and mask, the decoder's input,
     targets (IGNORE on padding) and loss mask."""
+    # lazy: megalm.models brings in torch and every model family, which this module does without
     from megalm.models.losses import IGNORE
     n, d = len(encoder), len(decoder_in)
     out = {"tokens": np.full(seq_length, pad, dtype=np.int64),

@@ -212,6 +212,7 @@ class SFTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
+        # lazy: megalm.models brings in torch and every model family, which this module does without
         from megalm.models.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
