@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1 (a test dependency; its data code runs on CPU) builds the reference: its
 BERTMaskedWordPieceDataset.__getitem__ is run on the same sentences, target lengths and seed as
-megalm.data.bert_dataset.bert_sample, over a WordPiece-like vocabulary with "##" continuation
+megalm.data.samples.bert.bert_sample, over a WordPiece-like vocabulary with "##" continuation
 pieces, and every field must be equal: segment split and order swap, trimming, layout, token
 types, whole-word n-gram masking with the 80/10/10 rule, labels and masks.
 """

@@ -1,4 +1,4 @@
-"""megalm.data.sentence_index against megatron-core 0.16.1's compiled build_mapping, side by side.
+"""megalm.data.samples.sentence_index against megatron-core 0.16.1's compiled build_mapping, side by side.
 
 megatron-core (a dev dependency; its prebuilt helpers_cpp runs on CPU) is the reference: over
 random corpora with empty, one-sentence and long-sentence documents, splits that start past

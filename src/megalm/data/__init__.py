@@ -1,5 +1,12 @@
 """Data pipeline: corpus -> tokenizer -> Megatron .bin/.idx -> GPT sample indices -> blend -> micro-batches.
 
+By folder: formats/ (the files on disk: .bin/.idx, JSON lines, raw corpus files, the array cache),
+tokenizers/, corpora/ (the built-in corpora, and preprocessing yours), samples/ (each model family's
+training samples, and blending), tasks/ (fine-tuning data: SFT, classification, SQuAD) and loader/
+(build_data, and this rank's micro-batches); spec.py (data.split and data.blend) and provenance.py
+(the tokenizer record beside a .bin/.idx) sit beside them, with the commands `python -m
+megalm.data.{preprocess,train_tokenizer,benchmark,sentiment,catalogues}`.
+
 Names are imported lazily, so that `python -m megalm.data.preprocess` and its worker processes
 do not pay for importing torch.
 """

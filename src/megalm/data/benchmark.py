@@ -5,7 +5,7 @@
   shuffled-apart last epoch).
 - blend: the greedy blending index for 10M samples over 2, 3 and 8 datasets, against the plain
   sequential loop timed on a slice and extrapolated.
-- bert: BERT's sample index (megalm.data.sentence_index) for 1M sentences in documents of about
+- bert: BERT's sample index (megalm.data.samples.sentence_index) for 1M sentences in documents of about
   20 and of 1-2 sentences, side by side with megatron-core's compiled build_mapping when it is
   installed (the rows are checked equal).
 - preprocess: a synthetic JSON-lines corpus built from the Python standard library's sources

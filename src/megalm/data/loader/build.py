@@ -186,7 +186,7 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
 
 def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
               requested: Mapping[str, Optional[int]], samples: Any = None) -> DataBundle:
-    """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py); a family
+    """Supervised fine-tuning: the examples of data.paths split in file order (data/tasks/sft.py); a family
     with samples of its own (`samples.sft(tokenizer, seq_length)`: T5's source / target pairs) makes
     each example's sample itself."""
     if samples is not None and hasattr(samples, "sft"):

@@ -6,12 +6,16 @@ sentence into segments A and B (swapped with probability 0.5: the sentence-order
 `is_random`), the longer segment is trimmed one token at a time from a random end until both fit
 the target length, and the result is laid out as `[CLS] A [SEP] B [SEP]` with token types 0 / 1.
 Masking: 15% of the tokens, in whole-word n-gram spans (n <= 3, P(n) proportional to 1/n), each
-masked token replaced by [MASK] 80% of the time, by a random vocabulary id 10% and kept 10%.
+masked token replaced by [MASK] 80% of the time, by a random vocabulary id 10% and kept 10%
+(the spans are chosen by megalm.data.samples.masking, which T5's samples share).
 Every random draw of sample i comes from numpy.random.RandomState(seed + i), in megatron-core's
 order, so a sample does not depend on the layout that reads it.
 
 Batch fields: tokens, token_types, padding_mask (1 on real tokens), labels (the original ids at
 masked positions, IGNORE elsewhere), loss_mask (1.0 at masked positions), is_random.
+
+BertSamples is how the BERT family makes its samples for build_data: these, and the fine-tuning
+samples of classification (pair_sample) and SQuAD (megalm.data.tasks.squad.windows).
 """
 
 from __future__ import annotations
@@ -134,7 +138,7 @@ class BertDataset:
     """megatron-core's BERTMaskedWordPieceDataset over documents [documents.start, documents.stop)
     of a sentence-split IndexedDataset (preprocess --split-sentences, or data=stdlib_prose).
 
-    The sample index is megatron-core's build_mapping (megalm.data.sentence_index): runs of whole
+    The sample index is megatron-core's build_mapping (megalm.data.samples.sentence_index): runs of whole
     sentences of one document up to seq_length - 3 tokens (shorter with probability
     short_seq_prob), at least two sentences with the binary head, shuffled; whole epochs until
     num_samples (None: one epoch). Item i is bert_sample of row i with RandomState(seed + i).
@@ -211,7 +215,7 @@ class BertSamples:
         return MockBertDataset(tokenizer, seq_length, seed, name, num_samples, binary_head=self.binary_head)
 
     def classification(self, tokenizer, seq_length: int):
-        """example -> sample (megalm.data.classification.Example to pair_sample's dict)."""
+        """example -> sample (megalm.data.tasks.classification.Example to pair_sample's dict)."""
         specials = bert_specials(tokenizer)
 
         def make(example):
@@ -224,7 +228,7 @@ class BertSamples:
         return make
 
     def qa(self, tokenizer, seq_length: int, doc_stride: int, max_query_length: int):
-        """question -> its windows (megalm.data.squad.windows: [CLS] question [SEP] context window [SEP])."""
+        """question -> its windows (megalm.data.tasks.squad.windows: [CLS] question [SEP] context window [SEP])."""
         specials = bert_specials(tokenizer)
         return lambda question: windows(question, tokenizer.encode, specials, seq_length, doc_stride, max_query_length)
 

@@ -22,6 +22,9 @@ is sampled per sentence, as megatron-core samples it.
 
 Not done here: resetting position ids or attention masks at document boundaries
 (Megatron's --reset-position-ids / --reset-attention-mask); samples attend across documents.
+
+GPTSamples is how build_data makes GPT's samples (its default): these packed sequences, or a
+decoder's classification samples (decoder_pair_sample).
 """
 
 from __future__ import annotations
@@ -317,7 +320,7 @@ class GPTSamples:
         self.num_choices = getattr(model_cfg, "num_choices", 0)
 
     def classification(self, tokenizer: Tokenizer, seq_length: int):
-        """example -> sample (megalm.data.classification.Example to decoder_pair_sample's dict; multiple
+        """example -> sample (megalm.data.tasks.classification.Example to decoder_pair_sample's dict; multiple
         choice: context <eod> choice <eod> for each choice, stacked)."""
 
         def make(example):

@@ -175,7 +175,7 @@ class T5Dataset:
     """megatron-core's T5MaskedWordPieceDataset over documents [documents.start, documents.stop) of
     a sentence-split IndexedDataset (preprocess --split-sentences, or data=stdlib_prose_t5).
 
-    The sample index is megatron-core's build_mapping (megalm.data.sentence_index) with targets of
+    The sample index is megatron-core's build_mapping (megalm.data.samples.sentence_index) with targets of
     seq_length - 2 tokens (shorter with probability short_seq_prob) and at least one sentence;
     whole epochs until num_samples (None: one epoch). Item i is t5_sample of row i with
     RandomState(seed + i).
