@@ -18,9 +18,12 @@ import pytest
 import torch
 
 from megalm.config import DataConfig, TokenizerConfig
-from megalm.data import IndexedDataset, build_data, build_tokenizer, preprocess as pp
-from megalm.data.bert_dataset import BertDataset, BertSamples, bert_specials, continuing_pieces
-from megalm.data.corpora import StdlibDocstrings, stdlib_corpus
+from megalm.data import IndexedDataset, build_data, build_tokenizer
+from megalm.data.preprocessing import pipeline as pp
+from megalm.data.samples.bert import BertDataset, BertSamples
+from megalm.data.tokenizers.specials import bert_specials
+from megalm.data.samples.masking import continuing_pieces
+from megalm.data.corpora.stdlib import StdlibDocstrings, stdlib_corpus
 from megalm.errors import DataError
 from megalm.ops.losses import IGNORE
 
@@ -133,7 +136,7 @@ def test_bert_dataset_needs_bert_tokens_and_sentences(corpus, tmp_path):
 # ---------------------------------------------------------------- special tokens
 
 def test_sentencepiece_special_tokens_are_reserved_and_found(tmp_path):
-    from megalm.data.bert_dataset import BERT_SPECIAL_TOKENS
+    from megalm.data.tokenizers.specials import BERT_SPECIAL_TOKENS
     from megalm.data.train_tokenizer import main as train_tokenizer_main
     texts = list(StdlibDocstrings(stdlib_corpus(max_corpus_mb=1)).texts())
     (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -167,7 +170,7 @@ def test_wordpiece_tokenizer_json_gives_bert_tokens_and_word_pieces(corpus):
 # ---------------------------------------------------------------- the embedded prose corpus
 
 def test_stdlib_docstrings_are_prose_in_source_order():
-    from megalm.data.corpora import docstrings
+    from megalm.data.corpora.stdlib import docstrings
     source = ('"""Module."""\nif True:\n    def f():\n        """F.\n\n        Indented more."""\n'
               'class A:\n    """A."""\n    async def g(self):\n        """G."""\n    x = """not a docstring"""\n')
     assert docstrings(source) == ["Module.", "F.\n\nIndented more.", "A.", "G."]

@@ -2,7 +2,7 @@
 
 megatron-core 0.16.1 (a test dependency; its data code runs on CPU) builds the reference: its
 BERTMaskedWordPieceDataset.__getitem__ is run on the same sentences, target lengths and seed as
-megalm.data.bert_dataset.bert_sample, over a WordPiece-like vocabulary with "##" continuation
+megalm.data.samples.bert.bert_sample, over a WordPiece-like vocabulary with "##" continuation
 pieces, and every field must be equal: segment split and order swap, trimming, layout, token
 types, whole-word n-gram masking with the 80/10/10 rule, labels and masks.
 """
@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.bert_dataset import MockBertDataset, Specials, bert_sample
-from megalm.data.tokenizer import NullTokenizer
+from megalm.data.samples.bert import MockBertDataset, bert_sample
+from megalm.data.tokenizers.specials import Specials
+from megalm.data.tokenizers.base import NullTokenizer
 from megalm.ops.losses import IGNORE
 
 PAD, CLS, SEP, MASK = 0, 1, 2, 3

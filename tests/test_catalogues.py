@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from megalm.data.catalogues import catalogue_pairs, main, prompt, write_pairs
+from megalm.data.catalogues import main
+from megalm.data.corpora.catalogues import catalogue_pairs, prompt, write_pairs
 from megalm.errors import ConfigError, DataError
 
 
@@ -28,7 +29,7 @@ def test_french_pairs_come_from_djangos_catalogues():
 
 
 def test_written_files_split_the_pairs_and_read_as_sft_and_generate_data(tmp_path):
-    from megalm.data.sft import example_pieces
+    from megalm.data.tasks.sft import example_pieces
     from megalm.evaluate.likelihood import read_jsonl
     pairs = catalogue_pairs("fr")
     train, test = write_pairs(pairs, "fr", tmp_path, test_fraction=0.1, seed=3)

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.bert_dataset import Specials, pair_sample
-from megalm.data.classification import Example, read_examples
+from megalm.data.samples.bert import pair_sample
+from megalm.data.tokenizers.specials import Specials
+from megalm.data.tasks.classification import Example, read_examples
 from megalm.errors import ConfigError, DataError
 from test_parallel_model import load, run_layouts
 
@@ -188,7 +189,7 @@ def test_first_step_is_the_pretrained_encoder_with_a_fresh_classifier(pretrained
     pretraining model copied over by hand, on the first global batch."""
     import torch.nn.functional as F
     from megalm.data import build_data, collate, load_tokenizer
-    from megalm.data.bert_dataset import BertSamples
+    from megalm.data.samples.bert import BertSamples
     from megalm.generate import load_for_generation
     from megalm.models import build_model, init_weights
     root, cfgs = runs
@@ -274,7 +275,7 @@ def test_classify_metrics_equal_their_definitions():
 
 
 def test_evaluate_classify_scores_the_fine_tuned_run(runs, sentiment, pretrained):
-    from megalm.data.bert_dataset import bert_specials
+    from megalm.data.tokenizers.specials import bert_specials
     from megalm.evaluate import evaluate
     from megalm.generate import load_for_generation
     root, _ = runs
@@ -322,7 +323,7 @@ def test_gpt_classifier_reads_the_last_real_token(runs, run):
     """Reference: each example run alone, unpadded, through the pretrained decoder and the fresh score
     head, its logits taken at its final position: the padded batch's loss must be the same."""
     import torch.nn.functional as F
-    from megalm.data.loader import GPTSamples
+    from megalm.data.samples.gpt import GPTSamples
     root, cfgs = runs
     cfg = cfgs["gpt_labels"]
     model, tok = _fresh_head_model(cfg, run[0])
@@ -346,7 +347,8 @@ def test_multiple_choice_scores_each_choice_as_its_own_sequence(runs, pretrained
     the two scores against the label."""
     import dataclasses
     import torch.nn.functional as F
-    from megalm.data.bert_dataset import BertSamples, bert_specials
+    from megalm.data.samples.bert import BertSamples
+    from megalm.data.tokenizers.specials import bert_specials
     from megalm.models import build_model
     root, cfgs = runs
     cfg = cfgs["bert_choice"]

@@ -376,7 +376,7 @@ def test_train_from_import_at_tp2_then_export_that_checkpoint(tmp_path):
 def test_export_copies_a_hugging_face_tokenizer(tmp_path, tiny_model_cfg):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from megalm.data.tokenizer import HuggingFaceTokenizer
+    from megalm.data.tokenizers.huggingface import HuggingFaceTokenizer
     words = ["<|endoftext|>", "[UNK]", "hello", "world"]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -12,7 +12,7 @@ from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (GPTDataset, IndexedDataset, IndexedDatasetWriter, MicroBatchLoader,
                          MockGPTDataset, NullTokenizer, SentencePieceTokenizer, build_data,
                          load_tokenizer, split_documents, stdlib_corpus)
-from megalm.data import tokenizer as tokenizer_module
+from megalm.data.tokenizers import sentencepiece as tokenizer_module
 
 
 def random_docs(rng, n, high, max_len=50):

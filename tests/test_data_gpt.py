@@ -14,9 +14,11 @@ import torch
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (BlendedDataset, GPTDataset, IndexedDataset, IndexedDatasetWriter, MicroBatchLoader,
                          build_data, build_gpt_indices, eod_loss_mask, num_samples_for, parse_blend)
-from megalm.data import cache as cache_module, gpt_dataset as gpt_module
-from megalm.data.blended import blending_indices, blending_indices_reference, per_dataset_samples
-from megalm.data.loader import DataExhaustedError, blend_spec
+from megalm.data.formats import cache as cache_module
+from megalm.data.samples import gpt as gpt_module
+from megalm.data.samples.blended import blending_indices, blending_indices_reference, per_dataset_samples
+from megalm.data.loader import DataExhaustedError
+from megalm.data.spec import blend_spec
 
 EOD = 999
 
@@ -98,7 +100,7 @@ def test_sample_index_matches_token_by_token_reference(tmp_path, num_samples, ex
 
 
 def test_separate_final_epoch_follows_megatrons_threshold():
-    from megalm.data.gpt_dataset import num_epochs_for, separate_final_epoch_for
+    from megalm.data.samples.gpt import num_epochs_for, separate_final_epoch_for
     tokens, seq = 1001, 10  # 100 samples per epoch
     assert num_epochs_for(tokens, seq, None) == 1
     assert num_epochs_for(tokens, seq, 100) == 1  # 100 * 10 + 1 tokens: exactly one epoch

@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.corpora import stdlib_corpus
-from megalm.data.indexed import IndexedDatasetWriter
+from megalm.data.corpora.stdlib import stdlib_corpus
+from megalm.data.formats.indexed_writer import IndexedDatasetWriter
 from megalm.data.provenance import write_provenance
-from megalm.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
+from megalm.data.tokenizers.sentencepiece import SentencePieceTokenizer, train_sentencepiece
 
 QUICK = ["model=gpt_tiny", "logging.curves=false", "trainer.micro_batch_size=4", "trainer.global_batch_size=8", "trainer.eval_steps=1",
          "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
@@ -324,8 +324,8 @@ def test_curves_without_the_metrics_they_are_drawn_from_are_said_to_be_missing(m
 
 
 def test_a_folder_named_as_a_data_file_is_called_a_folder(tmp_path):
-    from megalm.data.sft import sft_records
-    from megalm.data.squad import read_squad
+    from megalm.data.tasks.sft import sft_records
+    from megalm.data.tasks.squad import read_squad
     from megalm.errors import DataError
     with pytest.raises(DataError, match=f"^{tmp_path} is a folder, not a file$"):
         read_squad(tmp_path)
@@ -338,8 +338,8 @@ def test_a_folder_named_as_a_data_file_is_called_a_folder(tmp_path):
 def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     """Latin-1 bytes (é as 0xE9) on line 2 of each reader's file: a DataError naming the file and line, not a
     UnicodeDecodeError's traceback. A byte-order mark and CRLF line ends still read."""
-    from megalm.data.classification import read_examples
-    from megalm.data.jsonl import json_lines, parallel_lines
+    from megalm.data.tasks.classification import read_examples
+    from megalm.data.formats.jsonl import json_lines, parallel_lines
     from megalm.errors import DataError
     bad = "not UTF-8 text (invalid continuation byte at byte {at} of the line); re-encode it as UTF-8"
     files = {"a.jsonl": b'{"text": "fine", "label": 0}\r\n{"text": "caf\xe9 ok", "label": 1}\n',
@@ -361,7 +361,7 @@ def test_a_data_file_that_is_not_utf8_names_its_line(tmp_path):
     assert [r["text"] for _, r in json_lines(tmp_path / "b.jsonl")] == ["one", "two"]
     (tmp_path / "b.tsv").write_bytes(b"\xef\xbb\xbfsentence\tlabel\r\nfine\t1\r\n")
     assert read_examples([str(tmp_path / "b.tsv")], "sst2", [], 2)[0].text == "fine"
-    from megalm.data.squad import read_squad
+    from megalm.data.tasks.squad import read_squad
     squad = {"version": "v2.0", "data": [{"title": "t", "paragraphs": [{"context": "a b", "qas": [
         {"id": "1", "question": "q", "answers": [{"text": "a", "answer_start": 0}], "is_impossible": False}]}]}]}
     (tmp_path / "b.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(squad).encode())

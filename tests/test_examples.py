@@ -29,7 +29,7 @@ def test_code_pairs_are_docstring_prompts_and_body_responses(tmp_path):
 
 
 def test_made_up_squad_files_read_back(tmp_path):
-    from megalm.data.squad import read_squad
+    from megalm.data.tasks.squad import read_squad
     r = subprocess.run([sys.executable, str(EXAMPLES / "question_answering" / "make_squad.py"), str(tmp_path),
                         "--train", "20", "--dev", "4"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

@@ -37,7 +37,7 @@ def _train(world, overrides, out_dir):
     checkpoint written at the end."""
     import toy_family
     from megalm.data import DataBundle
-    from megalm.data.tokenizer import NullTokenizer
+    from megalm.data.tokenizers.base import NullTokenizer
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
     from megalm.parallel import build_data_parallel, materialize, parallelize

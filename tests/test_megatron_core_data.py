@@ -17,7 +17,7 @@ import torch
 
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import IndexedDatasetWriter, build_data
-from megalm.data.blended import blend_size, per_dataset_samples
+from megalm.data.samples.blended import blend_size, per_dataset_samples
 from megalm.data.loader import split_documents
 
 EOD = 999

@@ -204,7 +204,7 @@ BERT_TINY = ["model=bert_tiny", "data=mock", "trainer.micro_batch_size=2"]
 def _bert_batch(cfg, n: int):
     """n of BERT's mock samples (padding, masked positions, sentence order) as a batch dict."""
     from megalm.data import build_data_tokenizer
-    from megalm.data.bert_dataset import MockBertDataset
+    from megalm.data.samples.bert import MockBertDataset
     from megalm.data.loader import collate
     data = MockBertDataset(build_data_tokenizer(cfg.data), cfg.model.seq_length, 1, "train", n)
     return collate([data[i] for i in range(n)])

@@ -175,12 +175,12 @@ def _micro_batches(cfg, m: int):
     t = cfg.trainer
     if cfg.model.arch == "bert":
         from megalm.data import build_data_tokenizer
-        from megalm.data.bert_dataset import MockBertDataset
+        from megalm.data.samples.bert import MockBertDataset
         from megalm.data.loader import collate
         data = MockBertDataset(build_data_tokenizer(cfg.data), cfg.model.seq_length, t.seed, "train",
                                m * t.micro_batch_size, binary_head=cfg.model.binary_head)
         return [collate([data[i * t.micro_batch_size + j] for j in range(t.micro_batch_size)]) for i in range(m)]
-    from megalm.data.gpt_dataset import gpt_batch
+    from megalm.data.samples.gpt import gpt_batch
     samples = torch.randint(0, cfg.model.vocab_size, (m * t.micro_batch_size, cfg.model.seq_length + 1),
                             generator=torch.Generator().manual_seed(0))
     return [gpt_batch(chunk) for chunk in samples.chunk(m)]

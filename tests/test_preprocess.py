@@ -18,11 +18,11 @@ import pytest
 from megalm.config import DataConfig, TokenizerConfig
 from megalm.data import (HuggingFaceTokenizer, IndexedDataset, build_data, build_tokenizer, load_tokenizer,
                          padded_vocab_size, stdlib_corpus)
-from megalm.data import preprocess as pp
+from megalm.data.preprocessing import pipeline as pp
 from megalm.data.provenance import (check_corpus_tokenizer, describe, read_provenance, sidecar_path,
                                    tokenizer_record)
-from megalm.data.sentences import split_sentences
-from megalm.data.train_tokenizer import train as train_tokenizer
+from megalm.data.corpora.sentences import split_sentences
+from megalm.data.tokenizers.training import train as train_tokenizer
 from megalm.errors import ConfigError, DataError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,7 +366,7 @@ def test_padded_vocab_size_is_megatrons():
 
 def gpt2_style_json(texts, vocab_size=500) -> str:
     """A GPT-2 byte-level BPE tokenizer.json, trained here with the tokenizers trainer."""
-    from megalm.data.train_tokenizer import train_bytelevel_bpe
+    from megalm.data.tokenizers.training import train_bytelevel_bpe
     return train_bytelevel_bpe(iter(texts), vocab_size)
 
 
@@ -424,7 +424,7 @@ def test_hf_llama_tokenizer_json(texts, tmp_path):
 
 def test_preprocess_and_train_with_a_hf_tokenizer(jsonl, texts, tmp_path):
     tok_dir = tmp_path / "hf"
-    from megalm.data.train_tokenizer import train
+    from megalm.data.tokenizers.training import train
     tok = train([str(jsonl)], str(tok_dir), vocab_size=700, kind="bytelevel-bpe")
     cfg = TokenizerConfig(type="huggingface", model=str(tok_dir))
     pp.preprocess([str(jsonl)], str(tmp_path / "hf"), tokenizer=cfg, append_eod=True, workers=2, chunk_mb=0.05)
@@ -569,7 +569,7 @@ def test_writer_takes_documents_of_several_sequences(tmp_path):
 def test_sentences_that_tokenize_to_nothing_are_dropped(sp_cfg, tmp_path, monkeypatch):
     """split_sentences never gives a blank sentence, but a tokenizer may still map a sentence to no
     ids: such sentences are left out, and a document of nothing else is skipped as empty."""
-    from megalm.data import sentences
+    from megalm.data.corpora import sentences
     monkeypatch.setattr(sentences, "split_sentences", lambda text: text.split("|"))  # keeps "" sentences
     (tmp_path / "in.jsonl").write_text('{"text": "One.||Two."}\n{"text": "|"}\n{"text": "Three."}\n')
     stats = pp.preprocess([str(tmp_path / "in.jsonl")], str(tmp_path / "s"), tokenizer=sp_cfg, append_eod=True,

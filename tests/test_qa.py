@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.squad import read_squad
+from megalm.data.tasks.squad import read_squad
 from megalm.errors import ConfigError
 from test_parallel_model import load, run_layouts
 
@@ -90,7 +90,7 @@ def runs(bert_run, squad_files, tmp_path_factory):
 def test_windows_target_the_answer_tokens(runs, bert_run, squad_files):
     """Every window's targets decode to the question's first answer (an exact match as SQuAD scores
     it), or are [CLS] when the window does not hold it; a long context is read in several windows, and some hold the answer."""
-    from megalm.data.bert_dataset import BertSamples
+    from megalm.data.samples.bert import BertSamples
     from megalm.data import load_tokenizer
     from megalm.evaluate.squad import normalize_answer
     _, cfg = runs
@@ -118,7 +118,7 @@ def test_first_step_is_the_pretrained_encoder_with_a_fresh_span_head(runs, bert_
     """Reference: the mean of the start and end cross-entropies, each over the sequence, written out
     with log_softmax, on the first global batch of the pretrained encoder and a fresh head."""
     from megalm.data import build_data, collate, load_tokenizer
-    from megalm.data.bert_dataset import BertSamples
+    from megalm.data.samples.bert import BertSamples
     from megalm.generate import load_for_generation
     from megalm.models import build_model, init_weights
     root, cfg = runs

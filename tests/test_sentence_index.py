@@ -1,4 +1,4 @@
-"""megalm.data.sentence_index against megatron-core 0.16.1's compiled build_mapping, side by side.
+"""megalm.data.samples.sentence_index against megatron-core 0.16.1's compiled build_mapping, side by side.
 
 megatron-core (a dev dependency; its prebuilt helpers_cpp runs on CPU) is the reference: over
 random corpora with empty, one-sentence and long-sentence documents, splits that start past
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from megatron.core.datasets import helpers
 
-from megalm.data.sentence_index import LONG_SENTENCE, MT19937_64, build_sentence_mapping, mt19937
+from megalm.data.samples.sentence_index import LONG_SENTENCE, MT19937_64, build_sentence_mapping, mt19937
 from megalm.errors import DataError
 
 ONE_EPOCH = None

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from megalm.data.classification import read_examples
+from megalm.data.tasks.classification import read_examples
 from megalm.errors import ConfigError, DataError
 
 
 def test_written_splits_are_the_shipped_sentences(tmp_path):
-    from megalm.data.sentiment import polarity_path
+    from megalm.data.corpora.sentiment import polarity_path
     r = subprocess.run([sys.executable, "-m", "megalm.data.sentiment", str(tmp_path), "--dev", "40"],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr

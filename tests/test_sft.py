@@ -50,7 +50,7 @@ def _base(run_dir, sft_path):
 
 
 def test_samples_learn_the_response_and_its_end_only(run, sft_file):
-    from megalm.data.sft import SFTDataset, encode_example, example_pieces
+    from megalm.data.tasks.sft import SFTDataset, encode_example, example_pieces
     _, _, tok = run
     ids, learned = encode_example(example_pieces({"prompt": "2 + 3 =", "response": " 5"}, "{role}: {content}\n", "x"),
                                   tok, 32, "x")
@@ -71,7 +71,7 @@ def test_samples_learn_the_response_and_its_end_only(run, sft_file):
 
 
 def test_epochs_are_permutations_and_samples_depend_on_their_index_only():
-    from megalm.data.sft import SFTDataset
+    from megalm.data.tasks.sft import SFTDataset
     examples = [(np.full(5, k), np.ones(5, bool)) for k in range(7)]
     ds = SFTDataset(examples, "train", seed=3, num_samples=21)
     order = [int(ds[i]["tokens"][0]) for i in range(21)]
@@ -93,7 +93,7 @@ def test_epochs_are_permutations_and_samples_depend_on_their_index_only():
      r"and 'prompt' and 'response'"),
 ])
 def test_bad_examples_name_file_and_line(run, tmp_path, line, message):
-    from megalm.data.sft import read_examples
+    from megalm.data.tasks.sft import read_examples
     _, _, tok = run
     (tmp_path / "x.jsonl").write_text('{"prompt": "a", "response": "b"}\n' + line + "\n")
     with pytest.raises(DataError, match=message):
@@ -168,7 +168,7 @@ def test_sft_at_a_layout_matches_the_single_process(sft_runs, index):
 # ---------------------------------------------------------------- packing
 
 def test_pack_examples_keeps_examples_whole_and_in_order():
-    from megalm.data.sft import pack_examples
+    from megalm.data.tasks.sft import pack_examples
     examples = []
     for n in (5, 4, 9, 3, 3, 10):
         learned = np.zeros(11, bool)
@@ -186,7 +186,7 @@ def test_pack_examples_keeps_examples_whole_and_in_order():
 def test_packed_examples_score_as_if_alone(style, run):
     """Every learned token of packed examples gets the log-probability it gets in its example alone:
     positions restart and attention stays inside each example (learned positions and RoPE, GQA)."""
-    from megalm.data.sft import SFTDataset, encode_example, example_pieces, pack_examples
+    from megalm.data.tasks.sft import SFTDataset, encode_example, example_pieces, pack_examples
     from megalm.models import build_model, init_weights
     _, _, tok = run
     extra = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",

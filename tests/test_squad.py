@@ -1,4 +1,4 @@
-"""SQuAD data and scoring (megalm.data.squad, megalm.evaluate.squad): the official v2.0 script's
+"""SQuAD data and scoring (megalm.data.tasks.squad, megalm.evaluate.squad): the official v2.0 script's
 normalization, exact match and F1; reading v1.1 / v2.0 files and naming the place of each mistake;
 run_squad's windows of a long context (layout, answer positions, the max-context window of each
 token) with a tokenizer of two characters per id; and the answer write_predictions picks from logits.
@@ -14,8 +14,8 @@ from typing import Dict, List
 import numpy as np
 import pytest
 
-from megalm.data.bert_dataset import Specials
-from megalm.data.squad import Question, Window, answer_text, read_squad, windows, words_of
+from megalm.data.tokenizers.specials import Specials
+from megalm.data.tasks.squad import Question, Window, answer_text, read_squad, windows, words_of
 from megalm.errors import ConfigError, DataError
 from megalm.evaluate.squad import best_answer, exact_match, f1, normalize_answer, squad_scores
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megalm.data.t5_dataset import MockT5Dataset, T5Specials, t5_sample, t5_specials
+from megalm.data.samples.t5 import MockT5Dataset, T5Specials, t5_sample, t5_specials
 from megalm.errors import ConfigError, DataError
 from megalm.ops.losses import IGNORE
 from megalm.models.t5.model import T5, relative_buckets
@@ -405,7 +405,7 @@ def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):
 
 # -- fine-tuning pairs (data=sft) -----------------------------------------------------------
 def test_pair_sample_layout_and_errors():
-    from megalm.data.t5_dataset import pair_sample
+    from megalm.data.samples.t5 import pair_sample
     s = pair_sample([10, 11, 12], [20, 21], 6, 4, SPECIALS, "f.jsonl:3")
     assert s["tokens"].tolist() == [10, 11, 12, 0, 0, 0] and s["padding_mask"].tolist() == [1, 1, 1, 0, 0, 0]
     assert s["decoder_tokens"].tolist() == [1, 20, 21, 0]

@@ -97,7 +97,7 @@ class Family:
     object with split_by ("sequences" | "documents": what data.split divides), mock(tokenizer,
     seq_length, seed, split name, num_samples) -> a dataset, and dataset(indexed, documents range,
     tokenizer=, seq_length=, seed=, name=, num_samples=, cache_dir=) -> a dataset over a tokenized
-    corpus, as megalm.data.loader.GPTSamples); None: GPT's packed token sequences."""
+    corpus, as megalm.data.samples.gpt.GPTSamples); None: GPT's packed token sequences."""
     hf: Optional[str] = None
     """The module of its Hugging Face mapping (megalm.convert.hf says what it provides); None: no
     conversion."""

@@ -252,7 +252,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _generate_seq2seq(args: argparse.Namespace, cfg, model, tok, state) -> None:
     """An encoder-decoder run: --prompt is the encoder's input; the output is printed on its own."""
-    from megalm.data.t5_dataset import t5_specials
+    from megalm.data.samples.t5 import t5_specials
     specials = t5_specials(tok)
     source = tok.encode(args.prompt)
     check_source(source, tok.vocab_size, cfg.model.seq_length, what="--prompt")

@@ -217,7 +217,7 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
         if cfg.data.tokenizer.type != "null" and not cfg.data.tokenizer.model:
             raise ConfigError("data.source=sft needs the tokenizer the model was trained with: set "
                               "data.tokenizer.model (e.g. <pretraining run>/tokenizer.model)")
-        from megalm.data.sft import template_parts
+        from megalm.data.tasks.sft import template_parts
         template_parts(cfg.data.chat_template, "user")
     _validate_vocab(cfg)
     for precision, peak in cfg.cluster.peak_flops_per_dtype.items():
@@ -314,7 +314,7 @@ def _validate_head(cfg: Config) -> None:
             raise ConfigError(f"data.doc_stride={d.doc_stride} and data.max_query_length={d.max_query_length} must be "
                               f"at least 1, and the query must leave room for context in model.seq_length={m.seq_length}")
         return
-    from megalm.data.classification import CHOICE_TASKS, num_classes
+    from megalm.data.tasks.classification import CHOICE_TASKS, num_classes
     if d.source != "classification":
         if heads:
             raise ConfigError(f"{heads[0]} fine-tunes on labelled examples: set data=classification "

@@ -5,7 +5,7 @@
   shuffled-apart last epoch).
 - blend: the greedy blending index for 10M samples over 2, 3 and 8 datasets, against the plain
   sequential loop timed on a slice and extrapolated.
-- bert: BERT's sample index (megalm.data.sentence_index) for 1M sentences in documents of about
+- bert: BERT's sample index (megalm.data.samples.sentence_index) for 1M sentences in documents of about
   20 and of 1-2 sentences, side by side with megatron-core's compiled build_mapping when it is
   installed (the rows are checked equal).
 - preprocess: a synthetic JSON-lines corpus built from the Python standard library's sources
@@ -28,13 +28,17 @@ from typing import Dict, List
 
 import numpy as np
 
+from megalm.data.corpora.stdlib import stdlib_corpus
+from megalm.data.samples.blended import blending_indices, blending_indices_reference
+from megalm.data.samples.gpt import build_gpt_indices
+from megalm.data.samples.sentence_index import build_sentence_mapping
+
 
 def _emit(record: Dict) -> None:
     print(json.dumps(record), flush=True)
 
 
 def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2048) -> List[Dict]:
-    from megalm.data.gpt_dataset import build_gpt_indices
     rng = np.random.default_rng(0)
     sizes = rng.geometric(1 / mean, size=num_docs).astype(np.int32)
     tokens = int(sizes.sum(dtype=np.int64))
@@ -53,7 +57,6 @@ def bench_index(num_docs: int = 10_000_000, mean: int = 100, seq_length: int = 2
 
 
 def bench_blend(size: int = 10_000_000) -> List[Dict]:
-    from megalm.data.blended import blending_indices, blending_indices_reference
     out = []
     rng = np.random.default_rng(0)
     for k in (2, 3, 8):
@@ -74,9 +77,8 @@ def bench_blend(size: int = 10_000_000) -> List[Dict]:
 
 
 def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]:
-    from megalm.data.sentence_index import build_sentence_mapping
     try:
-        from megatron.core.datasets import helpers
+        from megatron.core.datasets import helpers  # optional: megatron-core's C++, to compare with
     except ImportError:
         helpers = None
     rng = np.random.default_rng(0)
@@ -102,7 +104,6 @@ def bench_bert_index(sentences: int = 1_000_000, repeats: int = 2) -> List[Dict]
 
 def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
     """JSON lines of the stdlib's *.py files, repeated until the file holds `mb` MB."""
-    from megalm.data.corpora import stdlib_corpus
     corpus = stdlib_corpus()
     limit = int(mb * 1e6)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -120,9 +121,10 @@ def make_stdlib_jsonl(path: Path, mb: float) -> Dict:
 
 
 def bench_preprocess(workdir: Path, mb: float = 80.0, vocab_size: int = 8192, workers=(1, 2)) -> List[Dict]:
+    # lazy: only this benchmark needs Hydra's config and sentencepiece, 0.4 s of the command's start-up
     from megalm.config import TokenizerConfig
-    from megalm.data import preprocess as pp
-    from megalm.data.train_tokenizer import train
+    from megalm.data.preprocessing import pipeline as pp
+    from megalm.data.tokenizers.training import train
     jsonl = workdir / "stdlib.jsonl"
     corpus = make_stdlib_jsonl(jsonl, mb) if not jsonl.is_file() or abs(jsonl.stat().st_size - mb * 1e6) > 1e6 \
         else {"path": str(jsonl), "bytes": jsonl.stat().st_size}

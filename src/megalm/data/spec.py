@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, List, Sequence, Tuple
 
 from megalm.errors import ConfigError, DataError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the annotation only: callers hand in the DataConfig they already hold
     from megalm.config import DataConfig
 
 

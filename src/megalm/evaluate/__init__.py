@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
-from megalm.data.jsonl import not_utf8
+from megalm.data.formats.jsonl import not_utf8
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 from megalm.models.registry import family_of, load_run_config

@@ -27,7 +27,7 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
     except ImportError:
         raise ConfigError("the classify task computes its metrics with scikit-learn and scipy: "
                           "pip install 'megalm[classify]'") from None
-    from megalm.data.classification import CHOICE_TASKS
+    from megalm.data.tasks.classification import CHOICE_TASKS
     if task in CHOICE_TASKS:  # the index of the right choice: accuracy, as Megatron's RACE reports
         return {"accuracy": float(np.mean(predictions == labels))}
     if num_labels == 1:
@@ -45,7 +45,7 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
 
 @torch.no_grad()
 def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, Any]:
-    from megalm.data.classification import read_examples
+    from megalm.data.tasks.classification import read_examples
     from megalm.data.loader import collate
     from megalm.models import family_of
     m = cfg.model

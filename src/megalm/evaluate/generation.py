@@ -53,7 +53,7 @@ def complete(model, tokenizer, prompt: str, *, max_new_tokens: int, stop: Sequen
     as its source and writes its output from BOS to EOS."""
     from megalm.generate import generate_ids, generate_seq2seq_ids
     if hasattr(model, "encode"):
-        from megalm.data.t5_dataset import t5_specials
+        from megalm.data.samples.t5 import t5_specials
         specials = t5_specials(tokenizer)
         source = tokenizer.encode(prompt)
         if len(source) > seq_length:

@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 
-from megalm.data.jsonl import json_lines
+from megalm.data.formats.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
 
 NORMALIZE = ("none", "tokens", "chars")

@@ -1,7 +1,7 @@
 """SQuAD v1.1 / v2.0 scoring for an extractive question-answering reader (a fine-tuned BERT).
 
 `best_answer` turns the reader's start / end logits over a question's windows
-(megalm.data.squad.windows) into an answer text as Google's BERT run_squad.py write_predictions
+(megalm.data.tasks.squad.windows) into an answer text as Google's BERT run_squad.py write_predictions
 does: the n_best highest start and end positions of each window, spans inside the context that
 start where the window has the most context and are at most max_answer_length sub-tokens long,
 scored by start + end logit. For SQuAD v2.0 (allow_null) the null answer "" wins when its score
@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.squad import Question, Window, answer_text
+from megalm.data.tasks.squad import Question, Window, answer_text
 from megalm.errors import DataError
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -82,7 +82,7 @@ def best_answer(windows: Sequence[Window], start_logits: Sequence[np.ndarray], e
                 words: List[str], n_best: int = 20, max_answer_length: int = 30, allow_null: bool = False,
                 null_threshold: float = 0.0) -> str:
     """The answer text the logits of a question's windows predict ("" for no answer). `words` are
-    the context's words (megalm.data.squad.words_of), which the windows' token_to_word index."""
+    the context's words (megalm.data.tasks.squad.words_of), which the windows' token_to_word index."""
     if not len(windows) == len(start_logits) == len(end_logits):
         raise ValueError(f"{len(windows)} windows but {len(start_logits)} start and {len(end_logits)} end logits: "
                          f"one of each per window")
@@ -149,7 +149,7 @@ def squad(cfg, model, tokenizer, path, batch_size: int, *, n_best: int = 20, max
     import torch
 
     from megalm.data.loader import collate
-    from megalm.data.squad import read_squad, words_of
+    from megalm.data.tasks.squad import read_squad, words_of
     from megalm.errors import ConfigError
     from megalm.models import family_of
     m = cfg.model

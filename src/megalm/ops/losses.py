@@ -6,7 +6,9 @@ from typing import Optional
 
 import torch
 
-IGNORE = -100  # a label that takes no part in the loss (e.g. after an end-of-document token)
+from megalm.ops.labels import IGNORE
+
+__all__ = ["IGNORE", "masked_mean"]
 
 
 def masked_mean(losses: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:

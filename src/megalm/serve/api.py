@@ -324,7 +324,7 @@ class Server:
                 self.engine.cancel(req)
 
     def _chat_prompt(self, messages: List[Message]) -> List[int]:
-        from megalm.data.sft import template_parts
+        from megalm.data.tasks.sft import template_parts
         text = ""
         for m in messages:
             before, after = template_parts(self.chat_template, m.role)
@@ -333,7 +333,7 @@ class Server:
         return [self.tok.eod] + self.tok.encode(text + before)
 
     async def chat(self, body: ChatRequest):
-        from megalm.data.sft import template_parts
+        from megalm.data.tasks.sft import template_parts
         self._refuse_for_seq2seq("chat continues a conversation written with the run's chat template", "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")

@@ -353,7 +353,7 @@ class Seq2SeqEngine(Engine):
     position and over its own source. The output ends at [EOS]."""
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_queue: int = 64, seed: int = 0):
-        from megalm.data.t5_dataset import t5_specials
+        from megalm.data.samples.t5 import t5_specials
         cfg, p = model.cfg, next(model.parameters())
         self.bos = t5_specials(tokenizer).bos
         self.source_length = cfg.seq_length
@@ -367,7 +367,7 @@ class Seq2SeqEngine(Engine):
 
     @staticmethod
     def end_token(tokenizer) -> int:
-        from megalm.data.t5_dataset import t5_specials
+        from megalm.data.samples.t5 import t5_specials
         return t5_specials(tokenizer).eos
 
     def room(self, prompt_tokens: int) -> int:

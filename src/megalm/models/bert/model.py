@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalm.data.samples.bert import BertSamples
 from megalm.family import Part
 from megalm.models.bert.config import BertConfig
 from megalm.models.flops import flops_per_token as transformer_flops
@@ -205,8 +206,7 @@ def flops_per_token(cfg: BertConfig, seq_length: Optional[int] = None) -> float:
 
 
 def samples(cfg: BertConfig):
-    """How BERT's training samples are made (megalm.data.bert_dataset)."""
-    from megalm.data.bert_dataset import BertSamples
+    """How BERT's training samples are made (megalm.data.samples.bert)."""
     return BertSamples(cfg)
 
 

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megalm.config import ModelConfig
+from megalm.data.samples.gpt import GPTSamples
 from megalm.family import Part
 from megalm.models.flops import flops_per_token as transformer_flops
 from megalm.models.init import init_by_name
@@ -168,8 +169,7 @@ def flops_per_token(cfg: ModelConfig, seq_length: Optional[int] = None) -> float
 
 
 def samples(cfg: ModelConfig):
-    """GPT's samples: packed token sequences, or classification examples (megalm.data.loader.GPTSamples)."""
-    from megalm.data.loader import GPTSamples
+    """GPT's samples: packed token sequences, or classification examples (megalm.data.samples.gpt.GPTSamples)."""
     return GPTSamples(cfg)
 
 

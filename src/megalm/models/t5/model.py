@@ -34,6 +34,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from megalm.data.samples.t5 import T5Samples
 from megalm.family import Part
 from megalm.models.init import init_by_name
 from megalm.models.layers import MLP, Attention, AttentionCore, Encoded, TableEmbedding, build_norm
@@ -308,8 +309,7 @@ def flops_per_token(cfg: T5Config, seq_length: Optional[int] = None) -> float:
 
 
 def samples(cfg: T5Config):
-    """How T5's training samples are made (megalm.data.t5_dataset)."""
-    from megalm.data.t5_dataset import T5Samples
+    """How T5's training samples are made (megalm.data.samples.t5)."""
     return T5Samples(cfg)
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 
-from megalm.data.bert_dataset import Specials
+from megalm.data.tokenizers.specials import Specials
 from megalm.errors import ConfigError, DataError, not_a_file
 
 WHITESPACE = frozenset(" \t\r\n" + chr(0x202F))

@@ -31,7 +31,8 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines, not_utf8, text_lines
+from megalm.data.formats.jsonl import json_lines, not_utf8, text_lines
+from megalm.data.tasks.sft import EpochShuffle
 from megalm.errors import ConfigError, DataError, not_a_file
 
 # task -> (text column, pair column or None, label column, label names or None for a regression; None header = CoLA)
@@ -234,7 +235,6 @@ class ClassificationDataset:
     examples each epoch (numpy RandomState(seed + epoch)), so a sample depends on its index only."""
 
     def __init__(self, examples: Sequence[Example], make, name: str, seed: int, num_samples: Optional[int]):
-        from megalm.data.sft import EpochShuffle
         if not examples:
             raise DataError(f"the {name} split has no examples")
         self.samples = [make(e) for e in examples]  # tokenized once

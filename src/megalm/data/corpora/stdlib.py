@@ -9,8 +9,6 @@ document per module, its docstrings in source order, a blank line between them.
 from __future__ import annotations
 
 import ast
-import contextlib
-import fcntl
 import functools
 import hashlib
 import os
@@ -21,36 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, List, Optional, Tuple
 
+from megalm.data.formats.cache import stable_hash
 from megalm.errors import DataError
 
 # Third-party and bytecode directories are not "the standard library's own source".
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _MB = 1_000_000
-
-
-def stable_hash(*parts: str, length: int = 16) -> str:
-    """Hex digest of the parts; unlike hash(), the same on every run and machine."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode("utf-8"))
-        h.update(b"\x00")  # so ("ab", "c") and ("a", "bc") differ
-    return h.hexdigest()[:length]
-
-
-@contextlib.contextmanager
-def locked(path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `path` (created if needed).
-
-    Several ranks of one job may build the same cache entry at once; the lock makes the
-    first one build it while the others wait and then find it ready.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 @dataclass

@@ -6,25 +6,54 @@ process (rank 0 of a node, in practice the first to arrive) builds, the others w
 and then load. A process killed while building leaves only its hidden temporary folder, which
 is never read and is cleaned up by the next builder; an entry whose files do not match its
 description (or that fails to load) is rebuilt.
+
+`stable_hash` and `locked` are what every cache of the data pipeline keys and guards its entries
+with (the tokenizer's, the tokenized corpora's, the token ranges').
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import logging
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import numpy as np
-
-from megalm.data.corpora import locked, stable_hash
 
 log = logging.getLogger("megalm.data")
 
 Arrays = Dict[str, np.ndarray]
+
+
+def stable_hash(*parts: str, length: int = 16) -> str:
+    """Hex digest of the parts; unlike hash(), the same on every run and machine."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8"))
+        h.update(b"\x00")  # so ("ab", "c") and ("a", "bc") differ
+    return h.hexdigest()[:length]
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `path` (created if needed).
+
+    Several ranks of one job may build the same cache entry at once; the lock makes the
+    first one build it while the others wait and then find it ready.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def cache_key(description: dict) -> str:

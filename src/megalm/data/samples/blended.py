@@ -25,7 +25,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-from megalm.data.cache import load_or_build
+from megalm.data.formats.cache import load_or_build
 from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")

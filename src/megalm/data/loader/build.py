@@ -1,10 +1,10 @@
-"""From a DataConfig to datasets, and from datasets to this rank's micro-batches.
+"""From a DataConfig to the tokenizer and the train / valid / test datasets: build_data.
 
-build_data: source (mock | the stdlib's code or its docstrings' sentences tokenized into .bin/.idx |
-your .bin/.idx files) -> split by weights ("949,50,1") -> the family's sample indices per split and
-dataset (GPT's by default) -> Megatron's greedy blend when several datasets are weighted ->
-DataBundle. Each split is built for the number of samples training will draw (`num_samples`, see
-`num_samples_for`), as Megatron does.
+source (mock | the stdlib's code or its docstrings' sentences tokenized into .bin/.idx | your
+.bin/.idx files | fine-tuning examples) -> split by weights ("949,50,1") -> the family's sample
+indices per split and dataset (GPT's by default) -> Megatron's greedy blend when several datasets
+are weighted -> DataBundle. Each split is built for the number of samples training will draw
+(`num_samples`, see `num_samples_for`), as Megatron does.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,15 +21,19 @@ import numpy as np
 import torch
 
 from megalm.config import DataConfig
-from megalm.data.blended import BlendedDataset, blend_size, per_dataset_samples
-from megalm.data.corpora import StdlibCorpus, StdlibDocstrings, locked, stable_hash, stdlib_corpus
-from megalm.data.gpt_dataset import GPTDataset, MockGPTDataset, eod_loss_mask, gpt_batch
-from megalm.data.indexed import IndexedDataset, IndexedDatasetWriter, best_dtype
-from megalm.data.provenance import check_corpus_tokenizer, write_provenance
-from megalm.data.sentences import split_sentences
-from megalm.data.sft import SFTDataset, pack_examples, read_examples, read_records
+from megalm.data.preprocessing.cached_tokens import tokenize_corpus
+from megalm.data.corpora.stdlib import StdlibCorpus, StdlibDocstrings, stdlib_corpus
+from megalm.data.formats.cache import stable_hash
+from megalm.data.formats.indexed import IndexedDataset
+from megalm.data.provenance import check_corpus_tokenizer
+from megalm.data.samples.blended import BlendedDataset, blend_size, per_dataset_samples
+from megalm.data.samples.gpt import GPTDataset, GPTSamples, MockGPTDataset, eod_loss_mask, gpt_batch
 from megalm.data.spec import blend_spec, split_weights
-from megalm.data.tokenizer import NullTokenizer, Tokenizer, build_tokenizer, load_tokenizer
+from megalm.data.tasks.classification import ClassificationDataset, read_examples as read_classification_examples
+from megalm.data.tasks.sft import SFTDataset, pack_examples, read_examples, read_records
+from megalm.data.tasks.squad import read_squad
+from megalm.data.tokenizers.base import NullTokenizer, Tokenizer
+from megalm.data.tokenizers.build import build_tokenizer
 from megalm.errors import DataError
 
 log = logging.getLogger("megalm.data")
@@ -40,12 +42,7 @@ Dataset = Union[GPTDataset, MockGPTDataset, BlendedDataset]
 _SPLITS = ("train", "valid", "test")
 SOURCES = ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa")
 STDLIB_SOURCES = ("stdlib", "stdlib_prose")
-_CORPUS_FORMAT = "tokens-v1"  # bump when the tokenized layout changes, to invalidate caches
-_ENCODE_BATCH_BYTES = 4_000_000  # text per encode_batch call: enough work for all threads
 
-
-class DataExhaustedError(IndexError):
-    """The loader was asked for samples beyond those the dataset was built for."""
 
 
 @dataclass
@@ -152,40 +149,6 @@ def _stdlib_text(cfg: DataConfig) -> Union[StdlibCorpus, StdlibDocstrings]:
     return StdlibDocstrings(code) if cfg.source == "stdlib_prose" else code
 
 
-class GPTSamples:
-    """GPT's packed token sequences (Megatron's GPTDataset): the default `samples` of build_data.
-    Splits and samples go per sequence, as megatron-core's GPT data does (documents, unless the
-    file is sentence-split)."""
-
-    split_by = "sequences"
-
-    def __init__(self, model_cfg=None):
-        self.num_labels = getattr(model_cfg, "num_labels", 0)
-        self.num_choices = getattr(model_cfg, "num_choices", 0)
-
-    def classification(self, tokenizer: Tokenizer, seq_length: int):
-        """example -> sample (megalm.data.classification.Example to decoder_pair_sample's dict; multiple
-        choice: context <eod> choice <eod> for each choice, stacked)."""
-        from megalm.data.classification import stack_choices
-        from megalm.data.gpt_dataset import decoder_pair_sample
-
-        def make(example):
-            text = tokenizer.encode(example.text)
-            if example.choices is not None:
-                return stack_choices([decoder_pair_sample(text, tokenizer.encode(c), example.label, seq_length,
-                                                          tokenizer.eod) for c in example.choices])
-            pair = tokenizer.encode(example.pair) if example.pair is not None else None
-            return decoder_pair_sample(text, pair, example.label, seq_length, tokenizer.eod)
-        return make
-
-    def mock(self, tokenizer: Tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
-        return MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name, num_samples)
-
-    def dataset(self, indexed: IndexedDataset, documents: range, *, tokenizer: Tokenizer, seq_length: int,
-                seed: int, name: str, num_samples: Optional[int], cache_dir: Path) -> GPTDataset:
-        return GPTDataset(indexed, documents, seq_length, seed, name, num_samples, cache_dir)
-
-
 def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
                num_samples: Optional[Mapping[str, Optional[int]]] = None,
                tokenizer: Optional[Tokenizer] = None, samples: Optional[Any] = None) -> DataBundle:
@@ -223,7 +186,7 @@ def build_data(cfg: DataConfig, *, seq_length: int, seed: int,
 
 def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
               requested: Mapping[str, Optional[int]], samples: Any = None) -> DataBundle:
-    """Supervised fine-tuning: the examples of data.paths split in file order (data/sft.py); a family
+    """Supervised fine-tuning: the examples of data.paths split in file order (data/tasks/sft.py); a family
     with samples of its own (`samples.sft(tokenizer, seq_length)`: T5's source / target pairs) makes
     each example's sample itself."""
     if samples is not None and hasattr(samples, "sft"):
@@ -246,13 +209,13 @@ def _sft_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
 def _classification_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
                          requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
     """data.paths for training, data.valid_paths for validation (empty: data.split of data.paths)."""
-    from megalm.data.classification import ClassificationDataset, read_examples
     if not hasattr(samples, "classification"):
         raise DataError("data.source=classification: this model family has no classification samples")
     make = samples.classification(tokenizer, seq_length)
-    train = read_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
+    train = read_classification_examples(cfg.paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
     if cfg.valid_paths:
-        valid = read_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels, samples.num_choices)
+        valid = read_classification_examples(cfg.valid_paths, cfg.task, cfg.labels, samples.num_labels,
+                                             samples.num_choices)
     else:
         parts = split_documents(len(train), cfg.split)
         train, valid = [train[j] for j in parts[0]], [train[j] for j in parts[1]]
@@ -265,8 +228,6 @@ def _qa_data(cfg: DataConfig, tokenizer: Tokenizer, seq_length: int, seed: int,
              requested: Mapping[str, Optional[int]], samples: Any) -> DataBundle:
     """SQuAD files: data.paths for training, data.valid_paths for validation (empty: data.split of the
     questions); every window of every question is a sample."""
-    from megalm.data.classification import ClassificationDataset
-    from megalm.data.squad import read_squad
     if not hasattr(samples, "qa"):
         raise DataError("data.source=qa: this model family has no extractive-QA samples")
     make = samples.qa(tokenizer, seq_length, cfg.doc_stride, cfg.max_query_length)
@@ -335,211 +296,3 @@ def _build_split(cfg: DataConfig, name: str, k: int, sources: Sequence[Tuple[flo
                    for p in parts]
     return BlendedDataset(parts, weights, size, name, cache_dir,
                           description=[type(parts[0]).__name__, seq_length, seed] + description)
-
-
-def tokenize_corpus(corpus: Union[StdlibCorpus, StdlibDocstrings], tokenizer: Tokenizer, cache_dir: Path,
-                    split_sentences: bool = False) -> IndexedDataset:
-    """Tokenize every document (+ eod) into cache_dir/corpora/<hash>/tokens.bin/.idx, once. With
-    split_sentences, one sequence per sentence and no eod (a Megatron BERT corpus), into sentences.bin/.idx."""
-    key = stable_hash(_CORPUS_FORMAT, corpus.fingerprint(), tokenizer.identity, *(["sentences"] * split_sentences))
-    root = cache_dir / "corpora"
-    entry = root / key
-    prefix = entry / ("sentences" if split_sentences else "tokens")
-    with locked(root / f"{key}.lock"):
-        if prefix.with_suffix(".idx").is_file():
-            log.info("tokens: reusing %s.bin/.idx", prefix)
-            return IndexedDataset(prefix)
-        start = time.perf_counter()
-        log.info("tokens: tokenizing up to %d documents%s", len(corpus), " into sentences" if split_sentences else "")
-        # Saved next to the tokens so the folder is self-contained for source=indexed.
-        tokenizer.save_to(entry)
-        num_tokens = num_chars = 0
-        write = _write_sentences if split_sentences else _write_batch
-        with IndexedDatasetWriter(prefix, best_dtype(tokenizer.vocab_size)) as writer:
-            batch: List[str] = []
-            size = 0
-            for text in corpus.texts():
-                batch.append(text)
-                size += len(text)
-                if size >= _ENCODE_BATCH_BYTES:
-                    num_tokens += write(writer, tokenizer, batch)
-                    num_chars, batch, size = num_chars + size, [], 0
-            num_tokens += write(writer, tokenizer, batch)
-            num_chars += size
-            documents, sequences = writer.num_documents, writer.num_sequences
-        seconds = time.perf_counter() - start
-        counts = {"sentences": sequences} if split_sentences else {}
-        write_provenance(prefix, tokenizer, documents=documents, tokens=num_tokens, **counts)
-        (entry / "stats.json").write_text(json.dumps(
-            {"documents": documents, **counts, "characters": num_chars, "tokens": num_tokens,
-             "seconds": round(seconds, 2), "tokenizer": tokenizer.identity}, indent=1))
-        log.info("tokens: %d documents%s, %d tokens (%.2f characters/token) in %.1f s", documents,
-                 f" ({sequences} sentences)" if split_sentences else "", num_tokens,
-                 num_chars / max(num_tokens, 1), seconds)
-    return IndexedDataset(prefix)
-
-
-def _write_sentences(writer: IndexedDatasetWriter, tokenizer: Tokenizer, texts: List[str]) -> int:
-    """Each text as one document of its sentences' ids (sentences of no ids left out, as preprocess does)."""
-    per_text = [split_sentences(t) for t in texts]
-    encoded = iter(tokenizer.encode_batch([s for sents in per_text for s in sents]))
-    count = 0
-    for sents in per_text:
-        ids = [i for i in (next(encoded) for _ in sents) if i]
-        if ids:
-            writer.add_documents(np.concatenate(ids), [len(i) for i in ids], sequences_per_document=[len(ids)])
-            count += sum(map(len, ids))
-    return count
-
-
-def _write_batch(writer: IndexedDatasetWriter, tokenizer: Tokenizer, texts: List[str]) -> int:
-    count = 0
-    for ids in tokenizer.encode_batch(texts):
-        ids.append(tokenizer.eod)
-        writer.add_document(ids)
-        count += len(ids)
-    return count
-
-
-def collate(samples: Sequence) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Stack samples (arrays, or dicts of arrays with the same keys) into a micro-batch."""
-    if isinstance(samples[0], dict):
-        return {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
-    return torch.from_numpy(np.stack(samples).astype(np.int64))
-
-
-class MicroBatchLoader:
-    """This data-parallel rank's micro-batches, with Megatron's pretraining-sampler order.
-
-    The global batch starting at consumed sample c holds samples [c, c + G). Micro-batch j of
-    it gives rank r the samples c + j*mbs*dp + r*mbs + [0, mbs). Every rank walks the same
-    global order, so resuming from `consumed_samples` continues exactly where training was.
-    """
-
-    def __init__(self, dataset: Sequence, *, micro_batch_size: int, global_batch_size: int,
-                 dp_rank: int = 0, dp_size: int = 1, consumed_samples: int = 0):
-        if micro_batch_size < 1 or dp_size < 1:
-            raise DataError(f"micro_batch_size={micro_batch_size} and dp_size={dp_size} must be at least 1")
-        if not 0 <= dp_rank < dp_size:
-            raise DataError(f"dp_rank={dp_rank} is not in [0, dp_size={dp_size})")
-        per_step = micro_batch_size * dp_size
-        if global_batch_size < 1 or global_batch_size % per_step:
-            raise DataError(f"global_batch_size={global_batch_size} is not a positive multiple of "
-                            f"micro_batch_size({micro_batch_size}) * dp_size({dp_size}) = {per_step}")
-        if consumed_samples < 0:
-            raise DataError(f"consumed_samples={consumed_samples} must not be negative")
-        self.dataset = dataset
-        self.micro_batch_size, self.global_batch_size = micro_batch_size, global_batch_size
-        self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.consumed_samples = consumed_samples
-        self.num_micro_batches = global_batch_size // per_step
-
-    def indices(self) -> List[List[int]]:
-        """Sample indices of this rank's micro-batches in the next global batch."""
-        mbs, c = self.micro_batch_size, self.consumed_samples
-        base = c + self.dp_rank * mbs
-        return [list(range(base + j * mbs * self.dp_size, base + j * mbs * self.dp_size + mbs))
-                for j in range(self.num_micro_batches)]
-
-    def _check_available(self) -> None:
-        n = len(self.dataset) if hasattr(self.dataset, "__len__") else None
-        last = self.consumed_samples + self.global_batch_size - 1
-        if n is not None and last >= n:
-            name = getattr(self.dataset, "name", "the")
-            raise DataExhaustedError(
-                f"{name} dataset was built for {n} samples, but the global batch at consumed_samples="
-                f"{self.consumed_samples} needs samples {self.consumed_samples}..{last}; build the data for "
-                f"as many samples as training draws: build_data(..., num_samples=num_samples_for(max_steps, "
-                f"global_batch_size, eval_interval, eval_steps))")
-
-    def next_batch(self) -> List[Union[torch.Tensor, Dict[str, torch.Tensor]]]:
-        """This rank's micro-batches of the next global batch: samples stacked, each (mbs, seq_length + 1)
-        for GPT samples, or a dict of stacked fields for dict samples."""
-        self._check_available()
-        batches = [collate([self.dataset[i] for i in idx]) for idx in self.indices()]
-        self.consumed_samples += self.global_batch_size
-        return batches
-
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
-
-def _pinned(batch: Union[torch.Tensor, Dict[str, torch.Tensor]]) -> Union[torch.Tensor, Dict[str, torch.Tensor]]:
-    if isinstance(batch, dict):
-        return {k: v.pin_memory() for k, v in batch.items()}
-    return batch.pin_memory()
-
-
-class Prefetcher:
-    """A MicroBatchLoader whose next global batches (`depth` of them) are built in a background thread while
-    the step computes, in the loader's order; with `pin`, in pinned memory, so the copy to a CUDA device
-    does not block. `consumed_samples` counts the batches handed out, not those built ahead, so a
-    checkpoint resumes where training was; setting it (a resume) drops what was built ahead.
-
-    A thread, not worker processes: building a batch is index lookups into memory-mapped arrays and numpy
-    copies, which release the GIL, and one process keeps the loader's position exact without sharing it.
-    An error while building a batch (the data running out) is raised by the `next_batch` that would have
-    returned that batch."""
-
-    def __init__(self, loader: MicroBatchLoader, depth: int, pin: bool = False):
-        if depth < 1:
-            raise DataError(f"data.prefetch={depth}: a prefetcher holds at least 1 batch (0: use the loader itself)")
-        self.loader, self.depth, self.pin = loader, depth, pin
-        self._consumed = loader.consumed_samples
-        self._thread: Optional[threading.Thread] = None
-
-    @property
-    def consumed_samples(self) -> int:
-        return self._consumed
-
-    @consumed_samples.setter
-    def consumed_samples(self, value: int) -> None:
-        self.close()
-        self._consumed = value
-
-    def next_batch(self) -> List[Union[torch.Tensor, Dict[str, torch.Tensor]]]:
-        """The loader's next global batch (see MicroBatchLoader.next_batch), built ahead."""
-        if self._thread is None:
-            self._start()
-        item = self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()  # the thread has stopped; a later call starts again from the batch that failed
-            raise item
-        batches, self._consumed = item
-        return batches
-
-    def _start(self) -> None:
-        self.loader.consumed_samples = self._consumed
-        self._queue: queue.Queue = queue.Queue(self.depth)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._build, args=(self._queue, self._stop), daemon=True,
-                                        name="megalm-prefetch")
-        self._thread.start()
-
-    def _build(self, out: queue.Queue, stop: threading.Event) -> None:
-        while not stop.is_set():
-            try:
-                batches = self.loader.next_batch()
-                item: Any = ([_pinned(b) for b in batches] if self.pin else batches, self.loader.consumed_samples)
-            except BaseException as e:  # handed to the consumer, raised where that batch was due
-                item = e
-            while not stop.is_set():
-                try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if isinstance(item, BaseException):
-                return
-
-    def close(self) -> None:
-        """Stop the background thread and drop the batches it built ahead."""
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join()
-            self._thread = None
-
-
-__all__ = ["DataBundle", "DataExhaustedError", "MicroBatchLoader", "Prefetcher", "blend_spec", "build_data", "build_data_tokenizer",
-           "load_tokenizer", "num_samples_for", "split_documents", "tokenize_corpus"]

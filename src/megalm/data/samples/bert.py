@@ -6,140 +6,34 @@ sentence into segments A and B (swapped with probability 0.5: the sentence-order
 `is_random`), the longer segment is trimmed one token at a time from a random end until both fit
 the target length, and the result is laid out as `[CLS] A [SEP] B [SEP]` with token types 0 / 1.
 Masking: 15% of the tokens, in whole-word n-gram spans (n <= 3, P(n) proportional to 1/n), each
-masked token replaced by [MASK] 80% of the time, by a random vocabulary id 10% and kept 10%.
+masked token replaced by [MASK] 80% of the time, by a random vocabulary id 10% and kept 10%
+(the spans are chosen by megalm.data.samples.masking, which T5's samples share).
 Every random draw of sample i comes from numpy.random.RandomState(seed + i), in megatron-core's
 order, so a sample does not depend on the layout that reads it.
 
 Batch fields: tokens, token_types, padding_mask (1 on real tokens), labels (the original ids at
 masked positions, IGNORE elsewhere), loss_mask (1.0 at masked positions), is_random.
+
+BertSamples is how the BERT family makes its samples for build_data: these, and the fine-tuning
+samples of classification (pair_sample) and SQuAD (megalm.data.tasks.squad.windows).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
+from megalm.data.formats.cache import load_or_build
+from megalm.data.samples.masking import SHORT_SEQ_PROB, SPLIT_IDS, choose_spans, continuing_pieces, mock_sentences
+from megalm.data.tokenizers.specials import Specials, bert_specials
+from megalm.data.samples.sentence_index import build_sentence_mapping
+from megalm.data.tasks.classification import stack_choices
+from megalm.data.tasks.squad import windows
 from megalm.errors import DataError
+from megalm.ops.labels import IGNORE
 
-MASKING_PROBABILITY = 0.15
-MAX_NGRAM = 3
-SHORT_SEQ_PROB = 0.1  # Megatron's: a sample is cut to a random shorter length this often
-_SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
 _MOCK_DEFAULT_SAMPLES = 1 << 20
-
-
-@dataclass(frozen=True)
-class Specials:
-    """The ids BERT samples need from the tokenizer."""
-    cls: int
-    sep: int
-    mask: int
-    pad: int
-
-
-# The names a vocabulary may give each role: WordPiece's, Megatron's sentencepiece additions, RoBERTa-style.
-SPECIAL_NAMES = {"cls": ("[CLS]", "<CLS>", "<cls>"), "sep": ("[SEP]", "<SEP>", "<sep>"),
-                 "mask": ("[MASK]", "<MASK>", "<mask>"), "pad": ("[PAD]", "<PAD>", "<pad>")}
-BERT_SPECIAL_TOKENS = ["[CLS]", "[SEP]", "[MASK]", "[PAD]"]
-"""What megalm reserves in a sentencepiece model it trains for BERT (data=stdlib_prose)."""
-
-
-def bert_specials(tokenizer) -> Specials:
-    """The tokenizer's [CLS] / [SEP] / [MASK] / [PAD] ids, found under any name of SPECIAL_NAMES. A
-    tokenizer without a vocabulary (the null tokenizer of pre-tokenized or mock data) uses ids 1, 2,
-    3 and 0, as the mock data does."""
-    if tokenizer.pieces() is None:
-        return Specials(cls=1, sep=2, mask=3, pad=0)
-    found = {}
-    for role, names in SPECIAL_NAMES.items():
-        ids = [i for i in map(tokenizer.token_to_id, names) if i is not None]
-        if ids:
-            found[role] = ids[0]
-    missing = [names[0] for role, names in SPECIAL_NAMES.items() if role not in found]
-    if missing:
-        raise DataError(
-            f"BERT samples need [CLS], [SEP], [MASK] and [PAD] tokens; the {tokenizer.identity} tokenizer"
-            f"{f' ({tokenizer.origin})' if tokenizer.origin else ''} lacks {', '.join(missing)} (under any of the "
-            f"names {', '.join(n for r in SPECIAL_NAMES.values() for n in r)}): use a WordPiece tokenizer.json, or a "
-            f"sentencepiece model trained with them (scripts/train_tokenizer.py --special-tokens "
-            f"{' '.join(BERT_SPECIAL_TOKENS)}, or tokenizer.special_tokens when megalm trains it)")
-    return Specials(**found)
-
-
-def continuing_pieces(tokenizer) -> Optional[np.ndarray]:
-    """continues_word for masked_lm: the ids whose piece starts with "##" (WordPiece's mark of a
-    piece inside a word, as megatron-core reads it); None when no piece does."""
-    pieces = tokenizer.pieces()
-    if pieces is None:
-        return None
-    marks = np.array([p.startswith("##") for p in pieces], dtype=bool)
-    return marks if marks.any() else None
-
-
-def choose_spans(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
-                 mask_token: Callable[[np.random.RandomState], Optional[int]], continues_word: Optional[np.ndarray] = None,
-                 max_ngram: int = MAX_NGRAM, geometric: bool = False):
-    """megatron-core's _create_masked_lm_predictions (whole words, no permutation): (masked tokens,
-    the masked spans as lists of positions, in the order chosen).
-
-    Up to 15% of the tokens (of target_length), in spans of n whole words: n drawn with P(n)
-    proportional to 1/n up to max_ngram, or (geometric, SpanBERT's and T5's) from a geometric
-    distribution with p = 0.2 clipped at max_ngram; a span too long for the budget shrinks, one
-    overlapping a chosen one is passed over. `mask_token(rng)` gives each masked position its new
-    id (None: keep it), drawing from the sample's generator in megatron-core's order.
-    `continues_word[id]`: the id continues the previous token's word (WordPiece "##"); None: every
-    token starts a word."""
-    candidates: List[List[int]] = []
-    for i, t in enumerate(tokens):
-        if t == specials.cls or t == specials.sep:
-            continue
-        if continues_word is not None and continues_word[t] and candidates:
-            candidates[-1].append(i)  # whole-word masking: a "##" piece joins its word
-        else:
-            candidates.append([i])
-    n_maskings = min(MASKING_PROBABILITY * target_length, max(1, int(round(len(tokens) * MASKING_PROBABILITY))))
-    ngram_sizes = np.arange(max_ngram, dtype=np.int64) + 1
-    probs = 1.0 / ngram_sizes
-    probs = probs / probs.sum(keepdims=True)
-    # For each candidate word, its 1..max_ngram-word spans (shorter near the end), in shuffled order.
-    spans = [[candidates[i:i + n] for n in ngram_sizes] for i in range(len(candidates))]
-    rng.shuffle(spans)
-    masked = list(tokens)
-    chosen: List[List[int]] = []
-    count = 0
-    taken: set = set()
-    for grams in spans:
-        if count >= n_maskings:
-            break
-        if not grams:
-            continue
-        if geometric:
-            n = min(rng.geometric(0.2), max_ngram)
-        else:
-            p = probs[:len(grams)] / probs[:len(grams)].sum(keepdims=True)
-            n = rng.choice(ngram_sizes[:len(grams)], p=p)
-        while True:  # the longest span of at most n words that still fits the budget
-            positions = sum(grams[n - 1], [])
-            n -= 1
-            if n_maskings >= count + len(positions):
-                break
-            if n == 0:
-                positions = None
-                break
-        if positions is None or any(i in taken for i in positions):
-            continue
-        for i in positions:
-            taken.add(i)
-            new = mask_token(rng)
-            if new is not None:
-                masked[i] = new
-        count += len(positions)
-        chosen.append(positions)
-    # (megatron-core shuffles the spans once more here, for its permutation option; nothing draws
-    # from the sample's generator after that, so it is left out.)
-    return masked, chosen
 
 
 def masked_lm(tokens: List[int], target_length: int, rng: np.random.RandomState, specials: Specials,
@@ -162,7 +56,6 @@ def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int,
                 specials: Specials, token_lookup: Sequence[int], binary_head: bool,
                 continues_word: Optional[np.ndarray] = None) -> Dict[str, np.ndarray]:
     """One sample from the sentences of a sample-index entry (megatron-core's __getitem__)."""
-    from megalm.ops.losses import IGNORE
     pivot, is_random = len(sentences), False
     if binary_head:
         if len(sentences) < 2:
@@ -204,16 +97,6 @@ def bert_sample(sentences: List[List[int]], target_length: int, seq_length: int,
     return out
 
 
-def mock_sentences(seed: int, name: str, i: int, low: int, high: int, target: int) -> List[List[int]]:
-    """Mock sample i's 2-4 "sentences": one arithmetic progression of ids in [low, high) (modulo the
-    range), cut into pieces of 2 to target / 2 ids; fixed by (seed, split, i)."""
-    g = np.random.default_rng([seed, _SPLIT_IDS[name], int(i)])
-    span = high - low
-    start, stride = int(g.integers(0, span)), int(g.integers(1, min(7, span)))
-    lengths = g.integers(2, max(3, target // 2), size=int(g.integers(2, 5)))
-    ids = low + (start + stride * np.arange(int(lengths.sum()))) % span
-    return [s.tolist() for s in np.split(ids, np.cumsum(lengths)[:-1])]
-
 
 class MockBertDataset:
     """Synthetic BERT samples with no files: sample i depends only on (seed, split, i).
@@ -226,8 +109,8 @@ class MockBertDataset:
 
     def __init__(self, tokenizer, seq_length: int, seed: int, name: str = "train",
                  num_samples: Optional[int] = None, binary_head: bool = True):
-        if name not in _SPLIT_IDS:
-            raise DataError(f"mock split name {name!r} is not one of {', '.join(_SPLIT_IDS)}")
+        if name not in SPLIT_IDS:
+            raise DataError(f"mock split name {name!r} is not one of {', '.join(SPLIT_IDS)}")
         self.vocab_size, self.seq_length, self.seed, self.name = tokenizer.vocab_size, seq_length, seed, name
         self.specials, self.binary_head = bert_specials(tokenizer), binary_head
         self.num_samples = num_samples or _MOCK_DEFAULT_SAMPLES
@@ -254,7 +137,7 @@ class BertDataset:
     """megatron-core's BERTMaskedWordPieceDataset over documents [documents.start, documents.stop)
     of a sentence-split IndexedDataset (preprocess --split-sentences, or data=stdlib_prose).
 
-    The sample index is megatron-core's build_mapping (megalm.data.sentence_index): runs of whole
+    The sample index is megatron-core's build_mapping (megalm.data.samples.sentence_index): runs of whole
     sentences of one document up to seq_length - 3 tokens (shorter with probability
     short_seq_prob), at least two sentences with the binary head, shuffled; whole epochs until
     num_samples (None: one epoch). Item i is bert_sample of row i with RandomState(seed + i).
@@ -263,8 +146,6 @@ class BertDataset:
     def __init__(self, indexed, documents: range, seq_length: int, seed: int, name: str = "train",
                  num_samples: Optional[int] = None, *, tokenizer, binary_head: bool = True,
                  short_seq_prob: float = SHORT_SEQ_PROB, cache_dir=None):
-        from megalm.data.cache import load_or_build
-        from megalm.data.sentence_index import build_sentence_mapping
         if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
             raise DataError(f"{name} split: documents {documents} are not a contiguous range within the "
                             f"{indexed.num_documents} documents of {indexed.prefix}")
@@ -333,8 +214,7 @@ class BertSamples:
         return MockBertDataset(tokenizer, seq_length, seed, name, num_samples, binary_head=self.binary_head)
 
     def classification(self, tokenizer, seq_length: int):
-        """example -> sample (megalm.data.classification.Example to pair_sample's dict)."""
-        from megalm.data.classification import stack_choices
+        """example -> sample (megalm.data.tasks.classification.Example to pair_sample's dict)."""
         specials = bert_specials(tokenizer)
 
         def make(example):
@@ -347,8 +227,7 @@ class BertSamples:
         return make
 
     def qa(self, tokenizer, seq_length: int, doc_stride: int, max_query_length: int):
-        """question -> its windows (megalm.data.squad.windows: [CLS] question [SEP] context window [SEP])."""
-        from megalm.data.squad import windows
+        """question -> its windows (megalm.data.tasks.squad.windows: [CLS] question [SEP] context window [SEP])."""
         specials = bert_specials(tokenizer)
         return lambda question: windows(question, tokenizer.encode, specials, seq_length, doc_stride, max_query_length)
 

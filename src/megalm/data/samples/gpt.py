@@ -22,6 +22,9 @@ is sampled per sentence, as megatron-core samples it.
 
 Not done here: resetting position ids or attention masks at document boundaries
 (Megatron's --reset-position-ids / --reset-attention-mask); samples attend across documents.
+
+GPTSamples is how build_data makes GPT's samples (its default): these packed sequences, or a
+decoder's classification samples (decoder_pair_sample).
 """
 
 from __future__ import annotations
@@ -33,9 +36,12 @@ from typing import TYPE_CHECKING, Dict, Optional, Union
 
 import numpy as np
 
-from megalm.data.cache import load_or_build
-from megalm.data.indexed import IndexedDataset
+from megalm.data.formats.cache import load_or_build
+from megalm.data.formats.indexed import IndexedDataset
+from megalm.data.tasks.classification import stack_choices
+from megalm.data.tokenizers.base import Tokenizer
 from megalm.errors import DataError
+from megalm.ops.labels import IGNORE
 
 if TYPE_CHECKING:
     import torch  # annotations only: this module stays importable without torch
@@ -174,8 +180,8 @@ def gpt_batch(samples: torch.Tensor, eod: Optional[int] = None) -> Dict[str, tor
     """The batch a GPT model trains on, from (mbs, seq_length + 1) samples: inputs `tokens` and
     next-token `labels` (mbs, seq_length), and `loss_mask` (float; with `eod`, Megatron's
     --eod-mask-loss zeroes the positions whose input is eod, and their labels are IGNORE)."""
+    # lazy: torch and megalm.models (every model family) only where a batch is made; the rest does without
     import torch
-    from megalm.ops.losses import IGNORE
     tokens, labels = samples[:, :-1], samples[:, 1:]
     if eod is None:
         return {"tokens": tokens, "labels": labels, "loss_mask": torch.ones(labels.shape)}
@@ -300,3 +306,35 @@ def decoder_pair_sample(a, b, label, seq_length: int, eod: int) -> Dict[str, np.
     out[:len(tokens)] = tokens
     return {"tokens": out, "last": np.array(len(tokens) - 1, dtype=np.int64),
             "label": np.array(label, dtype=np.float32 if isinstance(label, float) else np.int64)}
+
+
+class GPTSamples:
+    """GPT's packed token sequences (Megatron's GPTDataset): the default `samples` of build_data.
+    Splits and samples go per sequence, as megatron-core's GPT data does (documents, unless the
+    file is sentence-split)."""
+
+    split_by = "sequences"
+
+    def __init__(self, model_cfg=None):
+        self.num_labels = getattr(model_cfg, "num_labels", 0)
+        self.num_choices = getattr(model_cfg, "num_choices", 0)
+
+    def classification(self, tokenizer: Tokenizer, seq_length: int):
+        """example -> sample (megalm.data.tasks.classification.Example to decoder_pair_sample's dict; multiple
+        choice: context <eod> choice <eod> for each choice, stacked)."""
+
+        def make(example):
+            text = tokenizer.encode(example.text)
+            if example.choices is not None:
+                return stack_choices([decoder_pair_sample(text, tokenizer.encode(c), example.label, seq_length,
+                                                          tokenizer.eod) for c in example.choices])
+            pair = tokenizer.encode(example.pair) if example.pair is not None else None
+            return decoder_pair_sample(text, pair, example.label, seq_length, tokenizer.eod)
+        return make
+
+    def mock(self, tokenizer: Tokenizer, seq_length: int, seed: int, name: str, num_samples: Optional[int]):
+        return MockGPTDataset(tokenizer.vocab_size, seq_length, seed, name, num_samples)
+
+    def dataset(self, indexed: IndexedDataset, documents: range, *, tokenizer: Tokenizer, seq_length: int,
+                seed: int, name: str, num_samples: Optional[int], cache_dir: Path) -> GPTDataset:
+        return GPTDataset(indexed, documents, seq_length, seed, name, num_samples, cache_dir)

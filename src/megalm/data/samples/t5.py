@@ -32,8 +32,12 @@ from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 
-from megalm.data.bert_dataset import SHORT_SEQ_PROB, Specials, choose_spans, continuing_pieces, mock_sentences
+from megalm.data.formats.cache import load_or_build
+from megalm.data.samples.masking import SHORT_SEQ_PROB, choose_spans, continuing_pieces, mock_sentences
+from megalm.data.tokenizers.specials import Specials
+from megalm.data.samples.sentence_index import build_sentence_mapping
 from megalm.errors import DataError
+from megalm.ops.labels import IGNORE
 
 MAX_NGRAM = 10  # megatron-core's T5: spans of up to 10 words, geometric lengths
 _SPLIT_IDS = {"train": 0, "valid": 1, "test": 2}
@@ -119,7 +123,6 @@ def _fields(encoder: List[int], decoder_in: List[int], decoder_out: List[int], s
             pad: int) -> Dict[str, np.ndarray]:
     """The batch fields of one sample, padded: the encoder's tokens and mask, the decoder's input,
     targets (IGNORE on padding) and loss mask."""
-    from megalm.ops.losses import IGNORE
     n, d = len(encoder), len(decoder_in)
     out = {"tokens": np.full(seq_length, pad, dtype=np.int64),
            "padding_mask": np.zeros(seq_length, dtype=np.int64),
@@ -172,7 +175,7 @@ class T5Dataset:
     """megatron-core's T5MaskedWordPieceDataset over documents [documents.start, documents.stop) of
     a sentence-split IndexedDataset (preprocess --split-sentences, or data=stdlib_prose_t5).
 
-    The sample index is megatron-core's build_mapping (megalm.data.sentence_index) with targets of
+    The sample index is megatron-core's build_mapping (megalm.data.samples.sentence_index) with targets of
     seq_length - 2 tokens (shorter with probability short_seq_prob) and at least one sentence;
     whole epochs until num_samples (None: one epoch). Item i is t5_sample of row i with
     RandomState(seed + i).
@@ -181,8 +184,6 @@ class T5Dataset:
     def __init__(self, indexed, documents: range, seq_length: int, decoder_length: int, seed: int,
                  name: str = "train", num_samples: Optional[int] = None, *, tokenizer,
                  short_seq_prob: float = SHORT_SEQ_PROB, cache_dir=None):
-        from megalm.data.cache import load_or_build
-        from megalm.data.sentence_index import build_sentence_mapping
         if not 0 <= documents.start <= documents.stop <= indexed.num_documents or documents.step != 1:
             raise DataError(f"{name} split: documents {documents} are not a contiguous range within the "
                             f"{indexed.num_documents} documents of {indexed.prefix}")

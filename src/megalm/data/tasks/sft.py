@@ -28,8 +28,9 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.jsonl import json_lines, parallel_lines
+from megalm.data.formats.jsonl import json_lines, parallel_lines
 from megalm.errors import ConfigError, DataError, not_a_file
+from megalm.ops.labels import IGNORE
 
 ROLES = ("system", "user", "assistant")
 ASSISTANT = "assistant"
@@ -212,7 +213,6 @@ class SFTDataset:
         return self.num_samples
 
     def __getitem__(self, i: int) -> Dict[str, np.ndarray]:
-        from megalm.ops.losses import IGNORE
         if not 0 <= i < self.num_samples:
             raise IndexError(f"{self.name} SFT sample {i} is out of range [0, {self.num_samples})")
         example = self.examples[self.order(i)]
