@@ -407,8 +407,10 @@ def test_compiled_tp_dropout_keeps_each_ranks_share_of_one_draw():
     masks = []
     for rank in range(2):
         for inner, args in ((nn.Dropout(p), (x,)), (AttentionCore(p, True, "sdpa"), (q, k, v))):
-            fork = torch.compile(ForkRNG(inner, TPRNG(0, rank), "tp", rank, 2).train(), backend="aot_eager",
-                                 fullgraph=True)
+            # an attention core takes its numbers as `uniform` (GPT's plan says so: TPRandom(uniform=True))
+            takes_uniform = isinstance(inner, AttentionCore)
+            fork = torch.compile(ForkRNG(inner, TPRNG(0, rank), "tp", rank, 2, takes_uniform=takes_uniform).train(),
+                                 backend="aot_eager", fullgraph=True)
             torch.manual_seed(5)
             got = fork(*args)
             after = torch.rand(4)
