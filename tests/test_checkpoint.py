@@ -22,7 +22,7 @@ from megalm.config import CheckpointConfig
 from megalm.train import run
 from megalm.errors import MissingFileError
 from megalm.training.checkpoint import Checkpointer, CorruptCheckpointError, resolve
-from megalm.training.manifest import MANIFEST, verify, write_manifest
+from megalm.training.checkpoint.manifest import MANIFEST, verify, write_manifest
 from test_train import TINY, load, records
 
 # Dropout on, so a resume must restore the RNG to repeat the curve; a save every 2 steps.

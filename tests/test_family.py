@@ -13,7 +13,7 @@ from megalm.errors import ConfigError
 from megalm.models import build_model, family_of, flops_per_token, init_weights
 from megalm.models.family import FAMILY_MODULES, Family
 from megalm.models.gpt import GPTConfig
-from megalm.training.sharded_state import model_entries
+from megalm.training.checkpoint.sharded_state import model_entries
 
 
 class Toy(nn.Module):
