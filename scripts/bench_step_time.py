@@ -49,7 +49,7 @@ def build_trainer(overrides, max_steps: int, run_dir: Path):
     from omegaconf import OmegaConf
     from megalm.config import conf_dir, register_configs
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
-    from megalm.launch import resolve_device
+    from megalm.distributed.device import resolve_device
     from megalm.models import build_model, flops_per_token, init_weights
     from megalm.models.family import family_of
     from megalm.parallel import materialize, parallelize

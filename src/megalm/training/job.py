@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megalm.config import Config
+from megalm.distributed.device import resolve_device
 from megalm.errors import DataError
 
 log = logging.getLogger("megalm.train")
@@ -40,8 +41,6 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.resume import nothing_left, plan_start
     from megalm.training.trainer import Trainer
-
-    from megalm.launch import resolve_device
     t = cfg.trainer
     device = resolve_device(t.device)
     rank = dist.get_rank() if dist.is_initialized() else 0
