@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import load, parallel_model, run_layouts
+from configs import load
+from layouts import parallel_model, run_layouts
 
 
 def _cfg(**kw):
