@@ -9,11 +9,11 @@ checkpoint at another parallel layout. Layout on disk:
 Every tensor is stored under its global name and full shape, the vocabulary matrices with only
 the real rows (their padding depends on tp), so a checkpoint holds the same keys and shapes
 whatever layout it was written at. Each rank writes only the blocks it holds (tensor-parallel
-shards, ZeRO's flat ranges; sharded_state, chunks) with their global offsets, nothing is
+shards, ZeRO's flat ranges: sharded_state.py, chunks.py) with their global offsets, nothing is
 gathered, and a load reads into each rank's own tensors whatever blocks overlap them.
 
 Order of a save: every rank writes its blocks into <dir>/.step_XXXXXXXX.tmp (DCP); rank 0 adds
-trainer_state.json, then the manifest (manifest), renames the folder into place, then replaces
+trainer_state.json, then the manifest (manifest.py), renames the folder into place, then replaces
 `latest`. A crash, even kill -9, leaves a .tmp folder, which nothing loads, or a whole one. With
 async_save the blocks are copied to CPU memory, the write and the manifest run in background
 threads, and the rename waits for them at the next save or at finish(): at most one save is
