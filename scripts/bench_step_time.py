@@ -50,7 +50,7 @@ def build_trainer(overrides, max_steps: int, run_dir: Path):
     from megalm.config import conf_dir
     from megalm.models.registry import family_of, register_configs
     from megalm.data import build_data, build_data_tokenizer, num_samples_for
-    from megalm.launch import resolve_device
+    from megalm.distributed.device import resolve_device
     from megalm.models import build_model, flops_per_token, init_weights
     from megalm.parallel import materialize, parallelize
     from megalm.training.checkpoint import Checkpointer

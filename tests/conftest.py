@@ -31,7 +31,7 @@ def run(tmp_path_factory):
     own 1000-piece sentencepiece model): (run directory, transformers model of its exported
     weights, its tokenizer). The evaluation, harness and SFT tests share it."""
     import transformers
-    from test_parallel_model import load
+    from configs import load
     from megalm.convert import export_to_hf
     from megalm.data import load_tokenizer
     from megalm.train import run as train_run
@@ -50,7 +50,7 @@ def run(tmp_path_factory):
 def bert_run(tmp_path_factory):
     """A bert_tiny pretrained once for the session, a few steps on the stdlib's docstrings with its own
     tokenizer (its run directory): the fine-tuning tests start from it."""
-    from test_parallel_model import load
+    from configs import load
     from megalm.train import run as train_run
     root = tmp_path_factory.mktemp("bert_pretrained")
     train_run(load("model=bert_tiny", "model.vocab_size=1024", "data=stdlib_prose", "data.max_corpus_mb=1",

@@ -193,7 +193,7 @@ def test_gpt_trains_and_decodes_alike(variant):
 
 def test_bert_and_t5_alike():
     from megalm.models.bert.config import BertConfig
-    from test_t5 import batch, tiny
+    from tiny_t5 import batch, tiny
     bert_cfg = BertConfig(name="t", num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=16,
                           vocab_size=64, make_vocab_size_divisible_by=8)
     g = torch.Generator().manual_seed(0)
@@ -217,7 +217,7 @@ def test_bert_and_t5_alike():
 def test_context_parallel_refuses_unfused():
     from megalm.errors import ConfigError
     from megalm.validation import validate
-    from test_parallel_model import load
+    from configs import load
     cfg = load("model=gpt_tiny", "data=mock", "parallel.cp=2", "model.attention_backend=unfused")
     with pytest.raises(ConfigError, match="model.attention_backend=unfused"):
         validate(cfg, 2)

@@ -184,7 +184,7 @@ def test_stdlib_docstrings_are_prose_in_source_order():
 def test_bert_trains_on_the_stdlib_prose(tmp_path):
     """model=bert_tiny data=stdlib_prose through megalm.train: the tokenizer is trained with BERT's
     tokens, the docstrings are split into sentences, and the MLM loss falls."""
-    from test_parallel_model import load
+    from configs import load
     from megalm.train import run
     from megalm.validation import validate
     over = ["model=bert_tiny", "model.vocab_size=1024", "data=stdlib_prose", "data.max_corpus_mb=1",
@@ -206,7 +206,7 @@ def test_bert_trains_on_the_stdlib_prose(tmp_path):
 
 
 def test_bert_refuses_the_code_corpus_and_seed_zero():
-    from test_parallel_model import load
+    from configs import load
     from megalm.errors import ConfigError
     from megalm.validation import validate
     with pytest.raises(ConfigError, match=r"data.source=stdlib is Python code.*use data=stdlib_prose"):

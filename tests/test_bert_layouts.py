@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import load, run_layouts
+from configs import load
+from layouts import run_layouts
 
 STEPS = 4
 BASE = ["model=bert_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",

@@ -22,8 +22,8 @@ from megalm.config import CheckpointConfig
 from megalm.train import run
 from megalm.errors import MissingFileError
 from megalm.training.checkpoint import Checkpointer, CorruptCheckpointError, resolve
-from megalm.training.manifest import MANIFEST, verify, write_manifest
-from test_train import TINY, load, records
+from megalm.training.checkpoint.manifest import MANIFEST, verify, write_manifest
+from tiny_run import TINY, load, records
 
 # Dropout on, so a resume must restore the RNG to repeat the curve; a save every 2 steps.
 COMMON = [*TINY, "logging.curves=false", "model.dropout=0.1", "trainer.eval_interval=0", "trainer.max_steps=6", "checkpoint.interval=2",

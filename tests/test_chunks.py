@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megalm.distributed.shards import TPShard
-from megalm.training.chunks import place
+from megalm.training.checkpoint.chunks import Chunked, ChunkedSavePlanner, place
+from megalm.training.checkpoint.safe_load import load_state, read_metadata
 
 CASES = [  # (padded global shape, tp dim, segments, real rows)
     ((24, 6), 0, None, None),          # column-parallel weight
@@ -85,7 +86,6 @@ def test_four_dimensional_tensors_are_refused():
 
 def _save_tp2(rank, world, path):
     import torch.distributed.checkpoint as dcp
-    from megalm.training.chunks import Chunked, ChunkedSavePlanner
     full = torch.arange(40 * 6, dtype=torch.float32).view(40, 6)
     spec = TPShard(0, rank, world, (24, 8, 8))  # GQA-like fused rows
     local = spec.local(full).clone()
@@ -99,8 +99,6 @@ def _save_tp2(rank, world, path):
 def test_blocks_saved_at_one_split_load_at_another(tmp_path):
     """Saved by two tensor-parallel ranks; loaded whole, and as tp4 shards cut in ZeRO halves."""
     from distributed import run_ranks
-    from megalm.training.chunks import Chunked
-    from megalm.training.safe_load import load_state, read_metadata
     run_ranks(2, _save_tp2, str(tmp_path))
     full = torch.arange(40 * 6, dtype=torch.float32).view(40, 6)
     assert read_metadata(tmp_path).state_dict_metadata["qkv"].size == full.shape

@@ -17,7 +17,8 @@ from megalm.data.samples.bert import pair_sample
 from megalm.data.tokenizers.specials import Specials
 from megalm.data.tasks.classification import Example, read_examples
 from megalm.errors import ConfigError, DataError
-from test_parallel_model import load, run_layouts
+from configs import load
+from layouts import run_layouts
 
 STEPS = 4
 
@@ -439,15 +440,15 @@ def test_evaluate_classify_at_tp2_pp2_and_dp2(runs, choices, sentiment):
     """The classify task at --tp 2, --pp 2 and --dp 2 predicts as the single process does."""
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
-    from test_evaluate_layouts import LAYOUTS, _bundle, _same
+    from eval_layouts import LAYOUTS, assert_same_numbers, evaluate_at_layouts
     root, _ = runs
     jobs = [(root / "gpt_labels" / "single", "classify", sentiment[1], {}),
             (root / "bert_choice" / "single", "classify", choices[1], {}),
             (root / "bert_labels" / "single", "classify", sentiment[1], {})]
     singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
-    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", evaluate_at_layouts, jobs)):
         for job, single, got in zip(jobs, singles, results):
-            _same(single, got, (job[0].parent.name, layout))
+            assert_same_numbers(single, got, (job[0].parent.name, layout))
 
 
 def test_epochs_set_the_steps_from_the_examples(pretrained, sentiment, tmp_path):

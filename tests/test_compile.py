@@ -46,7 +46,8 @@ def test_a_compiled_rope_model_compiles_once_for_training_and_once_for_eval(tmp_
     (under no_grad) rightly gets a second graph; nothing else may add one."""
     import torch._dynamo
     from torch._dynamo.utils import counters
-    from test_parallel_model import BASE, LLAMA, load
+    from configs import load
+    from layouts import BASE, LLAMA
     from megalm.train import run
     counters.clear()
     run(load(*BASE, *LLAMA, "model.num_layers=1", "trainer.max_steps=3", "trainer.compile=model",

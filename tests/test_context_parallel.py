@@ -12,7 +12,8 @@ import pytest
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
-from test_parallel_model import BASE as PLAIN, GPT2, LLAMA, grad_norms, load, losses, parallel_model, run_layouts
+from configs import load
+from layouts import BASE as PLAIN, GPT2, LLAMA, grad_norms, losses, parallel_model, run_layouts
 
 # The loss left off at end-of-document inputs: the chunks of a micro-batch hold unequal shares of
 # the tokens learned, which the ranks' loss weights must account for.

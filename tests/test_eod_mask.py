@@ -18,7 +18,7 @@ from megalm.data import build_data, eod_loss_mask
 from megalm.models import build_model, init_weights
 from megalm.ops.losses import IGNORE
 
-from test_parallel_model import load
+from configs import load
 
 EOD = 99  # the null tokenizer's eod for a vocabulary of 100 (the conftest model's)
 # Two samples of seq_length + 1 = 17 tokens: eods inside, two in a row, at the first input

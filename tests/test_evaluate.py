@@ -15,23 +15,11 @@ import math
 from pathlib import Path
 
 import pytest
-import torch
 
+from eval_reference import CHOICES, TEXT, hf_logprobs
 from megalm.errors import DataError
 
 SEQ = 32
-TEXT = ("Return the number of items in a container. The argument may be a sequence (such as a string, "
-        "bytes, tuple, list, or range) or a collection (such as a dictionary, set, or frozen set).\n\n"
-        "def __init__(self, *args, **kwargs):\n    return len(self.items)\n")
-
-
-def _hf_logprobs(hf, context, targets):
-    """log p(targets[i] | context + targets[:i]) and whether each was the argmax, from transformers."""
-    ids = torch.tensor([context + targets[:-1]])
-    with torch.no_grad():
-        logp = torch.log_softmax(hf(ids).logits[0, len(context) - 1:], dim=-1)
-    t = torch.tensor(targets)
-    return logp.gather(-1, t[:, None])[:, 0], logp.argmax(-1) == t
 
 
 @pytest.mark.parametrize("stride", [1, 5, 16, SEQ])
@@ -45,7 +33,7 @@ def test_perplexity_equals_transformers_token_by_token(run, tmp_path, stride):
     nll = 0.0
     for t in range(1, len(ids)):
         k = max(0, math.ceil((t - SEQ) / stride))  # the first window that reaches t
-        lp, _ = _hf_logprobs(hf, ids[k * stride:t], [ids[t]])
+        lp, _ = hf_logprobs(hf, ids[k * stride:t], [ids[t]])
         nll -= float(lp[0])
     assert got["tokens"] == len(ids) - 1
     assert got["nll"] == pytest.approx(nll, rel=1e-6)  # megalm computes in fp32, the reference in fp64
@@ -98,7 +86,7 @@ def test_cloze_equals_transformers_argmax(run, tmp_path, strict):
         else:
             whole = tok.encode(text)
             context, target = whole[:-1], whole[-1:]
-        _, argmax = _hf_logprobs(hf, [tok.eod] + context, target)
+        _, argmax = hf_logprobs(hf, [tok.eod] + context, target)
         hits.append(bool(argmax.all()))
     assert got["examples"] == len(CLOZE) and got["correct"] == sum(hits)
     assert got["accuracy"] == sum(hits) / len(CLOZE)
@@ -118,11 +106,6 @@ def test_cloze_rows_are_megatrons(run, tmp_path):
     assert ids == [tok.eod] + whole and k == len(whole)
 
 
-CHOICES = [{"context": "import os\nimport", "choices": [" sys", " zzz qq", " re"], "label": 0},
-           {"context": "def f(self):\n    return", "choices": [" self", " 12345 67"], "label": 0},
-           {"context": "The quick brown", "choices": [" fox", " elephant walking slowly"], "label": 1}]
-
-
 @pytest.mark.parametrize("normalize", ["none", "tokens", "chars"])
 def test_choice_equals_transformers_log_likelihood(run, tmp_path, normalize):
     from megalm.evaluate import evaluate
@@ -133,7 +116,7 @@ def test_choice_equals_transformers_log_likelihood(run, tmp_path, normalize):
         context = [tok.eod] + tok.encode(rec["context"])
         scores = []
         for c in rec["choices"]:
-            lp, _ = _hf_logprobs(hf, context, tok.encode(c))
+            lp, _ = hf_logprobs(hf, context, tok.encode(c))
             scores.append(float(lp.sum()) / {"none": 1, "tokens": len(lp), "chars": len(c)}[normalize])
         correct += int(scores.index(max(scores)) == rec["label"])
     assert got["correct"] == correct and got["examples"] == len(CHOICES)

@@ -9,11 +9,8 @@ import json
 
 import pytest
 
+from eval_layouts import LAYOUTS, assert_same_numbers, evaluate_at_layouts
 from megalm.errors import ConfigError
-
-LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]  # (tp, pp, dp) on two ranks
-NUMERIC = ("loss", "nll", "ppl", "adjusted_ppl", "accuracy", "accuracy_norm", "exact_match", "bleu", "chrf",
-           "f1", "mcc", "pearson", "spearman")
 
 
 @pytest.fixture(scope="module")
@@ -29,22 +26,6 @@ def files(tmp_path_factory):
     return {"perplexity": text, "choice": choice, "generate": gen}
 
 
-def _same(single, layout, where):
-    for key in NUMERIC:
-        if key in single:
-            assert layout[key] == pytest.approx(single[key], rel=1e-5), (where, key)
-
-
-def _bundle(jobs):
-    """Each (run, task, data, options) at every layout, on the same two ranks of one group."""
-    from megalm.evaluate import _evaluate
-    out = []
-    for tp, pp, dp in LAYOUTS:
-        out.append([_evaluate(run, task, data, tp=tp, pp=pp, dp=dp, write=False, **options)
-                    for run, task, data, options in jobs])
-    return out
-
-
 def test_likelihood_and_generation_at_tp2_pp2_and_dp2(run, files):
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
@@ -53,10 +34,10 @@ def test_likelihood_and_generation_at_tp2_pp2_and_dp2(run, files):
             (run_dir, "choice", files["choice"], {"normalize": "tokens"}),
             (run_dir, "generate", files["generate"], {"max_new_tokens": 6})]
     singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
-    for (tp, pp, dp), results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+    for (tp, pp, dp), results in zip(LAYOUTS, on_ranks(2, "cpu", evaluate_at_layouts, jobs)):
         for (_, task, _, _), single, layout in zip(jobs, singles, results):
             assert (layout["tp"], layout["pp"], layout["dp"]) == (tp, pp, dp)
-            _same(single, layout, (task, tp, pp, dp))
+            assert_same_numbers(single, layout, (task, tp, pp, dp))
 
 
 def test_evaluate_starts_its_ranks_and_writes_once(run, files, tmp_path):
@@ -67,7 +48,7 @@ def test_evaluate_starts_its_ranks_and_writes_once(run, files, tmp_path):
     shutil.copytree(run[0], run_dir)
     got = evaluate(run_dir, "perplexity", files["perplexity"], tp=2, stride=16)
     single = evaluate(run_dir, "perplexity", files["perplexity"], stride=16, write=False)
-    _same(single, got, "perplexity")
+    assert_same_numbers(single, got, "perplexity")
     written = json.loads((run_dir / "eval" / "perplexity_text_stride16.json").read_text())
     assert written["tp"] == 2 and written["loss"] == got["loss"]
     with pytest.raises(ConfigError, match=r"--pp 8 is more stages than the model's 2 layers"):

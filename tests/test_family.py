@@ -11,10 +11,10 @@ from torch import nn
 
 from megalm.errors import ConfigError
 from megalm.models import build_model, family_of, flops_per_token, init_weights
-from megalm.models.registry import FAMILY_MODULES
 from megalm.family import Family
 from megalm.models.gpt.config import GPTConfig
-from megalm.training.sharded_state import model_entries
+from megalm.models.registry import FAMILY_MODULES
+from megalm.training.checkpoint.sharded_state import model_entries
 
 
 class Toy(nn.Module):

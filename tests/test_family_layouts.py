@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from test_parallel_model import load
+from configs import load
 
 STEPS = 3
 BASE = ["model=gpt_tiny", "data=mock", "logging.curves=false", "model.num_layers=4", "model.vocab_size=256", "model.hidden_size=32",

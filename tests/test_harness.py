@@ -8,7 +8,7 @@ import json
 import pytest
 from lm_eval.api.instance import Instance
 
-from test_evaluate import CHOICES, TEXT, _hf_logprobs
+from eval_reference import CHOICES, TEXT, hf_logprobs
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_loglikelihood_equals_transformers(run):
         ctx = ([tok.eod] + tok.encode(stripped))
         target = tok.encode(cont)
         ctx = ctx[-(32 + 1 - len(target)):]
-        ref, hits = _hf_logprobs(hf, ctx, target)
+        ref, hits = hf_logprobs(hf, ctx, target)
         assert lp == pytest.approx(float(ref.sum()), rel=1e-6) and greedy == bool(hits.all())
 
 
@@ -89,7 +89,7 @@ PAIRS = [("import os\nimport", " sys"), ("The quick brown ", "fox"), ("x = 1\n" 
 def _requests_at_layouts(run_dir):
     """On each rank: the harness's three request kinds at tp2 and at pp2."""
     from megalm.evaluate.harness import MegalmLM
-    from test_evaluate_layouts import LAYOUTS
+    from eval_layouts import LAYOUTS
     out = []
     for tp, pp, _ in LAYOUTS[:2]:  # the harness model runs at tp / pp; lm_eval divides requests itself
         lm = MegalmLM(str(run_dir), batch_size=2, tp=tp, pp=pp)

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from megalm.training.metrics import TensorBoardSink
 
-from test_parallel_model import load
+from configs import load
 
 
 def _scalars(folder):

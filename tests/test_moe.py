@@ -12,8 +12,9 @@ import torch.nn.functional as F
 
 from distributed import run_ranks
 from megalm.errors import ConfigError
+from configs import load
+from layouts import parallel_model, run_layouts
 from megalm.ops.routing import routing_step
-from test_parallel_model import load, parallel_model, run_layouts
 
 
 def _cfg(**kw):

@@ -49,7 +49,7 @@ def test_zero_shards_the_model_state():
 def _held(rank, world, overrides):
     """What this rank of a real run's layout holds: the parameters of its part of the model."""
     import torch
-    from test_parallel_model import load
+    from configs import load
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of
     from megalm.parallel import materialize, parallelize

@@ -13,7 +13,8 @@ from megalm.training.checkpoint import load_model_weights
 from megalm.training.precision import DynamicLossScaler
 
 from distributed import run_ranks
-from test_parallel_model import BASE, GPT2, load
+from configs import load
+from layouts import BASE, GPT2
 
 
 def test_scaler_follows_megatron_rules():

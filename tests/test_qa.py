@@ -14,7 +14,8 @@ import torch
 
 from megalm.data.tasks.squad import read_squad
 from megalm.errors import ConfigError
-from test_parallel_model import load, run_layouts
+from configs import load
+from layouts import run_layouts
 
 STEPS = 4
 NAMES = ["Anna", "Boris", "Carla", "David", "Elena", "Felix", "Greta", "Hugo"]
@@ -222,11 +223,11 @@ def test_fine_tuned_runs_do_not_export_as_language_models(runs, tmp_path):
 def test_evaluate_squad_at_tp2_pp2_and_dp2(runs, squad_files):
     from megalm.evaluate import evaluate
     from megalm.evaluate.layout import on_ranks
-    from test_evaluate_layouts import LAYOUTS, _bundle, _same
+    from eval_layouts import LAYOUTS, assert_same_numbers, evaluate_at_layouts
     root, _ = runs
     jobs = [(root / "single", "squad", squad_files[index], {}) for index in (1, 2)]
     singles = [evaluate(r, t, d, write=False, **o) for r, t, d, o in jobs]
-    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", _bundle, jobs)):
+    for layout, results in zip(LAYOUTS, on_ranks(2, "cpu", evaluate_at_layouts, jobs)):
         for single, got in zip(singles, results):
-            _same(single, got, layout)
+            assert_same_numbers(single, got, layout)
             assert got["questions"] == single["questions"] and got["windows"] == single["windows"]

@@ -9,7 +9,7 @@ from megalm.config import ParallelConfig
 from megalm.models import build_model, family_of, init_weights
 from megalm.parallel import materialize, parallelize
 
-from test_parallel_model import BASE, LLAMA, losses, run_layouts
+from layouts import BASE, LLAMA, losses, run_layouts
 
 
 def _grads_and_saved_bytes(model_cfg, recompute, num_layers=None):

@@ -98,7 +98,7 @@ def test_report_errors_name_the_input(tmp_path, args, says):
 def test_a_plain_run_draws_its_curves_unless_told_not_to(tmp_path):
     """Outside a sweep too: the run's rank 0 draws curves.png as the run ends (and a plain run from the
     command line writes no job.json); logging.curves=false skips it (in-process: the run's own code)."""
-    from test_parallel_model import load
+    from configs import load
     from megalm.train import run
     out = subprocess.run([sys.executable, "-m", "megalm.train", *QUICK, "trainer.max_steps=2",
                           f"hydra.run.dir={tmp_path / 'cli'}"], cwd=tmp_path, capture_output=True, text=True,

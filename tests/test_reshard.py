@@ -5,7 +5,7 @@ with ZeRO-2, dp2 with ZeRO-3 and pp2 with two virtual stages per rank; each cont
 single-process run (fp32, relative 1e-5). GPT-2 style ties the embedding and head, which under
 pp are two copies on two stages: the hard case for a checkpoint that must look the same at
 every layout. The data position travels as consumed samples, so every layout starts step 3 on
-sample 16. Runs of one world size share one set of ranks (test_parallel_model.run_layouts).
+sample 16. Runs of one world size share one set of ranks (layouts.run_layouts).
 """
 
 from pathlib import Path
@@ -14,7 +14,8 @@ import pytest
 import torch.distributed.checkpoint as dcp
 
 from megalm.train import run
-from test_parallel_model import BASE, GPT2, load, losses, run_layout, run_layouts
+from configs import load
+from layouts import BASE, GPT2, losses, run_layout, run_layouts
 
 # 250 tokens: the embedding is padded to 256 rows at every tp here, and the checkpoint holds the 250 real ones.
 COMMON = [*BASE, *GPT2, "model.vocab_size=250", "checkpoint.save=true", "checkpoint.interval=2",

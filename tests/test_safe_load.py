@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megalm.training.safe_load import UnsafeCheckpointError, load_state, read_metadata
+from megalm.training.checkpoint.safe_load import UnsafeCheckpointError, load_state, read_metadata
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 

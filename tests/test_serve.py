@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,50 +18,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from test_evaluate import _hf_logprobs
+from eval_reference import hf_logprobs
+from server_process import start_server, stop_server
 
 PROMPTS = ["import os\n", "def f(x):", "class A:\n    def", "for i in range(3):", "# a comment\n", "while True:",
            "x = [", "return self."]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(run_dir: Path, *extra: str):
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "megalm.serve", str(run_dir), "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    proc.kill()
-    raise RuntimeError("the server did not answer /health in 120 s")
-
-
-def _stop(proc) -> int:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
 @pytest.fixture(scope="module")
 def server(run):
-    proc, url = _start(run[0])
+    proc, url = start_server(run[0])
     yield url
-    assert _stop(proc) == 0
+    assert stop_server(proc) == 0
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +44,7 @@ def alone(run):
         ids = list(generate_ids(model, context, max_new_tokens=12, temperature=0, top_k=0, vocab_size=tok.vocab_size,
                                 eod=tok.eod))
         out[p] = (tok.decode(context + ids)[len(tok.decode(context)):], ids,
-                  _hf_logprobs(run[1], context, ids)[0].tolist())
+                  hf_logprobs(run[1], context, ids)[0].tolist())
     return out
 
 
@@ -111,13 +78,13 @@ def test_megatron_api(server, run, alone):
         generated = text[len(head):]
         assert text.startswith(head) and generated and alone[prompt][0].startswith(generated)  # greedy (top_k=1)
         assert "".join(out["segments"][k]) == text and len(out["logprobs"][k]) == len(out["segments"][k]) - 1
-        prompt_ref, _ = _hf_logprobs(hf, ids[:1], ids[1:])
+        prompt_ref, _ = hf_logprobs(hf, ids[:1], ids[1:])
         assert out["logprobs"][k][:len(ids) - 1] == pytest.approx(prompt_ref.tolist(), abs=1e-4)
     # tokens_to_generate=0 scores the prompt only
     r = httpx.put(f"{server}/api", json={"prompts": ["import os"], "tokens_to_generate": 0, "logprobs": True,
                                          "add_BOS": True}, timeout=60)
     ids = [tok.eod] + tok.encode("import os")
-    assert r.json()["logprobs"][0] == pytest.approx(_hf_logprobs(hf, ids[:1], ids[1:])[0].tolist(), abs=1e-4)
+    assert r.json()["logprobs"][0] == pytest.approx(hf_logprobs(hf, ids[:1], ids[1:])[0].tolist(), abs=1e-4)
 
 
 def test_openai_client_completions_chat_and_streams(server, alone):
@@ -218,7 +185,7 @@ def test_concurrent_clients_get_their_own_answers(server, alone):
 
 
 def test_full_queue_is_503_and_sigterm_finishes_the_request_in_flight(run, alone):
-    proc, url = _start(run[0], "--slots", "1", "--max-queue", "1")
+    proc, url = start_server(run[0], "--slots", "1", "--max-queue", "1")
     try:
         async def flood():
             async with httpx.AsyncClient(timeout=300) as http:
@@ -261,7 +228,7 @@ def test_a_layout_serves_what_one_process_does(run, alone, layout):
     """Two ranks started by the server itself: rank 0 takes the requests, the other runs its forwards;
     concurrent greedy answers and their log-probabilities are those of each request alone, and
     SIGTERM stops both ranks with exit 0."""
-    proc, url = _start(run[0], *layout, "--slots", "4")
+    proc, url = start_server(run[0], *layout, "--slots", "4")
     try:
         async def ask():
             async with httpx.AsyncClient(timeout=300) as http:
@@ -272,7 +239,7 @@ def test_a_layout_serves_what_one_process_does(run, alone, layout):
             choice = r.json()["choices"][0]
             assert choice["text"] == alone[prompt][0]
             assert choice["logprobs"]["token_logprobs"] == pytest.approx(alone[prompt][2], abs=1e-4)
-        assert _stop(proc) == 0
+        assert stop_server(proc) == 0
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from megalm.errors import ConfigError, DataError
-from test_parallel_model import load, run_layouts
+from configs import load
+from layouts import run_layouts
 
 STEPS = 4
 

@@ -18,8 +18,8 @@ from megalm.cli import explain_hydra_error
 from megalm.distributed.comm import CommClock, _TimedWork
 from megalm.validation import validate
 
-from test_parallel_model import load as compose
-from test_train import TINY, load
+from configs import load as compose
+from tiny_run import TINY, load
 
 PARTS = ("time_data_s", "time_forward_s", "time_backward_s", "time_compute_s", "time_pipeline_idle_s",
          "time_optimizer_s", "time_other_s")

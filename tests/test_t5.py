@@ -16,14 +16,8 @@ from megalm.models.t5.model import T5, relative_buckets
 from megalm.models.t5.config import T5Config
 from megalm.models.t5 import flops_per_token, init_weights
 
-from test_parallel_model import load
-
-
-def tiny(**kw) -> T5Config:
-    fields = dict(name="t", num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=24, vocab_size=200,
-                  make_vocab_size_divisible_by=8, decoder_seq_length=12)
-    fields.update(kw)
-    return T5Config(**fields)
+from configs import load
+from tiny_t5 import batch, tiny
 
 
 def model_of(cfg: T5Config, seed: int = 3) -> T5:
@@ -31,16 +25,6 @@ def model_of(cfg: T5Config, seed: int = 3) -> T5:
     model = T5(cfg)
     init_weights(model, cfg, seed)
     return model.eval()
-
-
-def batch(cfg: T5Config, B: int = 3):
-    g = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, 90, (B, cfg.seq_length), generator=g)
-    padding = torch.ones(B, cfg.seq_length, dtype=torch.long)
-    padding[0, 15:] = 0
-    padding[1, 7:] = 0
-    decoder = torch.randint(3, 90, (B, cfg.decoder_seq_length), generator=g)
-    return tokens, padding, decoder
 
 
 @pytest.mark.parametrize("positions", ["learned", "relative"])
@@ -373,10 +357,10 @@ def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):
     output of the prompt as a source, as generated alone; what only a decoder model does (chat, echo,
     scoring, add_BOS) and a source or output too long are 400s naming the field; SIGTERM exits 0."""
     import httpx
-    from test_serve import _start, _stop
+    from server_process import start_server, stop_server
     want, cfg, tok = _alone(t5_run, [5, 6, 7, 8], 6)
     assert want
-    proc, url = _start(t5_run)
+    proc, url = start_server(t5_run)
     try:
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "5 6 7 8", "max_tokens": 6, "temperature": 0,
                                                       "logprobs": 0}, timeout=60)
@@ -400,7 +384,7 @@ def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):
                                                         "temperature": 0}, timeout=60)
         assert ok.status_code == 200, ok.text
     finally:
-        assert _stop(proc) == 0
+        assert stop_server(proc) == 0
 
 
 # -- fine-tuning pairs (data=sft) -----------------------------------------------------------

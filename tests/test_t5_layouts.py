@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import load, run_layouts
+from configs import load
+from layouts import run_layouts
 
 STEPS = 4
 BASE = ["model=t5_tiny", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",

@@ -1,35 +1,14 @@
 """End-to-end runs: the CLI, resume, sweeps and generation (tiny models, a few steps)."""
 
-import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from megalm.config import conf_dir
-from megalm.models.registry import register_configs
-from megalm.validation import validate
 from megalm.train import run
-
-register_configs()
-TINY = ["model=gpt_tiny", "data=mock", "logging.curves=false", "trainer.micro_batch_size=4", "trainer.global_batch_size=8",
-        "trainer.eval_steps=2", "trainer.log_interval=1", "trainer.progress_bar=false",
-        "optimizer.warmup_steps=2", "trainer.num_threads=1", "cluster.peak_flops=1e12"]
-
-
-def load(*overrides):
-    with initialize_config_dir(conf_dir(), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=list(overrides)))
-    validate(cfg, 1)
-    return cfg
-
-
-def records(run_dir: Path):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tiny_run import TINY, load, records
 
 
 def cli(module, *args, cwd):

@@ -8,7 +8,8 @@ holds against Megatron's formula, and checkpoints moving between zero stages and
 import pytest
 
 from distributed import run_ranks
-from test_parallel_model import BASE, GPT2, LLAMA, load, losses, run_layout, run_layouts
+from configs import load
+from layouts import BASE, GPT2, LLAMA, losses, run_layout, run_layouts
 from megalm.validation import validate
 
 

@@ -18,7 +18,8 @@ from typing import Iterator, List, Optional
 
 import torch
 
-from megalm.errors import ConfigError, DeviceError, MissingFileError, cli_errors
+from megalm.distributed.device import resolve_device
+from megalm.errors import ConfigError, MissingFileError, cli_errors
 from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.generate"
@@ -153,16 +154,6 @@ def load_for_generation(run_dir: Path, device: str = "cpu"):
     return cfg, model, load_tokenizer(run_dir), state
 
 
-def _resolve_device(name: str) -> str:
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"--device={name!r} is not a device: allowed: cpu, cuda, cuda:N") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DeviceError(f"--device={name} but no CUDA device is visible: use --device cpu")
-    return name
-
-
 def check_options(args: argparse.Namespace) -> None:
     """Each sampling option against its range, the range named in the message."""
     for name, value, ok, allowed in (
@@ -216,7 +207,7 @@ def check_generates(cfg, run_dir: Path) -> None:
 def _generate(args: argparse.Namespace) -> None:
     check_options(args)
     check_generates(load_run_config(args.run_dir), args.run_dir)
-    cfg, model, tok, state = load_for_generation(args.run_dir, _resolve_device(args.device))
+    cfg, model, tok, state = load_for_generation(args.run_dir, str(resolve_device(args.device, "--device")))
     if hasattr(model, "encode"):
         return _generate_seq2seq(args, cfg, model, tok, state)
     # Training packs documents after an end-of-document token, so eod is the start-of-text marker.

@@ -24,7 +24,9 @@ from typing import List, Optional
 import torch
 
 from megalm.config import Config
-from megalm.errors import ConfigError, DeviceError, MegalmError, full_errors
+from megalm.distributed.device import resolve_device
+from megalm.errors import ConfigError, MegalmError, full_errors
+from megalm.training.job import run
 
 
 @dataclass(frozen=True)
@@ -236,14 +238,6 @@ def _write_report(rank: int, **fields) -> None:
     tmp.replace(path)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise DeviceError("trainer.device=cuda but no CUDA device is visible; use trainer.device=cpu or auto")
-    return torch.device(name)
-
-
 def setup_rank_logging(rank: int, run_dir: Path) -> None:
     """Spawned ranks do not run Hydra: rank 0 logs to the console and train.log, others warnings only."""
     fmt = logging.Formatter(f"[%(asctime)s][%(name)s][%(levelname)s][rank {rank}] - %(message)s")
@@ -293,7 +287,6 @@ def as_rank(cfg: Config, run_dir: Path, world: int, spawned: bool) -> Optional[f
     up its logging; otherwise (torchrun, srun) the ranks take rank 0's directory, since they may
     have composed the config seconds apart, and only rank 0 keeps Hydra's info logging."""
     import torch.distributed as dist
-    from megalm.training.job import run
     init_distributed(cfg, resolve_device(cfg.trainer.device).type)
     try:
         if not spawned:
@@ -323,6 +316,7 @@ def _rank_main(cfg: Config, run_dir: str):
             raise
         raise SystemExit(1) from None
     _write_report(rank, status="ok", result=result)
+    # lazy: the trainer imports torch.distributed.checkpoint (~1 s), kept out of `megalm.train --help`
     from megalm.training.trainer import stopped_on_signal
     if stopped_on_signal() and os.environ.get(REPORT_DIR_ENV):
         # After returning, torch's worker wrapper waits for the agent to read the result. An agent

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from megalm.data.formats.jsonl import not_utf8
+from megalm.distributed.device import resolve_device
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
 from megalm.models.registry import family_of, load_run_config
@@ -222,9 +223,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
-        from megalm.generate import _resolve_device
         results = evaluate(args.run_dir, args.task, args.data, tp=args.tp, pp=args.pp, dp=args.dp, stride=args.stride, strict=not args.non_strict,
-                           normalize=args.normalize, batch_size=args.batch_size, device=_resolve_device(args.device),
+                           normalize=args.normalize, batch_size=args.batch_size,
+                           device=str(resolve_device(args.device, "--device")),
                            samples=args.samples, ks=args.k, temperature=args.temperature, top_p=args.top_p,
                            max_new_tokens=args.max_new_tokens,
                            stop=[s.replace("\\n", "\n").replace("\\t", "\t") for s in args.stop],

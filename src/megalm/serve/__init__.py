@@ -135,14 +135,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--name", default=None, help="the model's name in the API (default <model>-step<N>)")
     args = ap.parse_args(argv)
     with cli_errors(PROG):
-        from megalm.generate import _resolve_device
+        from megalm.distributed.device import resolve_device  # lazy: importing megalm.serve stays free of torch
         if not 0 <= args.port <= 65535:
             raise ConfigError(f"--port {args.port} must be 0 to 65535 (0: any free port)")
         _check_address(args.host, args.port)
         if args.tp < 1 or args.pp < 1:
             raise ConfigError(f"--tp {args.tp} and --pp {args.pp} must be at least 1")
-        options = dict(device=_resolve_device(args.device), slots=args.slots, max_queue=args.max_queue,
-                       seed=args.seed, name=args.name, tp=args.tp, pp=args.pp)
+        options = dict(device=str(resolve_device(args.device, "--device")), slots=args.slots,
+                       max_queue=args.max_queue, seed=args.seed, name=args.name, tp=args.tp, pp=args.pp)
         if args.tp * args.pp == 1:
             return serve(args.run_dir, args.host, args.port, **options)
         from megalm.evaluate.layout import check_layout, on_ranks

@@ -6,7 +6,9 @@ spawned ranks, torchrun or srun; megalm.launch owns the rank's lifecycle around 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -16,7 +18,20 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from megalm.config import Config
+from megalm.data import build_data, build_data_tokenizer, num_samples_for
+from megalm.distributed.device import resolve_device
+from megalm.distributed.mesh import ParallelDims, build_mesh
 from megalm.errors import DataError
+from megalm.models import build_model, flops_per_token, init_weights
+from megalm.models.registry import family_of
+from megalm.parallel import build_data_parallel, materialize, parallelize
+from megalm.parallel.pipeline import build_pipeline
+from megalm.report import write_run_curves
+from megalm.training import cpu_memory
+from megalm.training.compiling import apply_compile
+from megalm.training.memory import check_host_memory
+from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
+from megalm.training.optim import LRSchedule, build_optimizer
 
 log = logging.getLogger("megalm.train")
 
@@ -28,27 +43,17 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     checkpoint to resume against tokenizer and model) comes before the corpus is tokenized or the
     model built, and the run directory changes only once the start is accepted.
     """
-    from megalm.data import build_data, build_data_tokenizer, num_samples_for
-    from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, flops_per_token, init_weights
-    from megalm.models.registry import family_of
-    from megalm.parallel import materialize, parallelize
+    # lazy: these three import torch.distributed.checkpoint (~1 s), kept out of `megalm.train --help`
     from megalm.training.checkpoint import Checkpointer
-    from megalm.training.cpu_memory import apply_cpu_allocator
-    from megalm.training.memory import check_host_memory
-    from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
-    from megalm.training.optim import LRSchedule, build_optimizer
     from megalm.training.resume import nothing_left, plan_start
     from megalm.training.trainer import Trainer
-
-    from megalm.launch import resolve_device
     t = cfg.trainer
     device = resolve_device(t.device)
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type == "cpu":
         torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
-        why = apply_cpu_allocator(t.cpu_allocator)
+        why = cpu_memory.apply_cpu_allocator(t.cpu_allocator)  # through the module: a test replaces it there
         if why is not None and rank == 0:
             log.warning("trainer.cpu_allocator=%s: %s", t.cpu_allocator, why)
     torch.manual_seed(t.seed)  # the stream shared by every rank (dropout on replicated activations)
@@ -89,12 +94,9 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
 
     pipeline = None
     if dims.pp > 1:
-        from megalm.parallel.pipeline import build_pipeline
         pipeline = build_pipeline(model, family, layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
-    from megalm.training.compiling import apply_compile
     apply_compile(model, family.parts, t.compile, t.compile_backend, device.type, pipeline)
-    from megalm.parallel import build_data_parallel
     data_parallel = build_data_parallel(model, family, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     peak = peak_flops_for(cfg.cluster, t.precision, device)
@@ -118,7 +120,6 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
                                    OmegaConf.to_container(frozen), start_step=start.step)
     val_loss = trainer.fit()
     if rank == 0 and cfg.logging.jsonl and cfg.logging.curves:
-        from megalm.report import write_run_curves
         write_run_curves(run_dir)
     return val_loss
 
@@ -126,9 +127,6 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
 def steps_for_epochs(cfg: Config, tokenizer, samples) -> Config:
     """cfg with trainer.max_steps = ceil(trainer.epochs x one epoch's training samples / global batch):
     the fine-tuning data read once to count them (the run then reads it again for its steps)."""
-    import dataclasses
-    import math
-    from megalm.data import build_data
     t = cfg.trainer
     one_epoch = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
                            samples=samples)

@@ -15,9 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from omegaconf import OmegaConf
+
 from megalm.config import Config
+from megalm.data import load_tokenizer
 from megalm.data.provenance import describe, tokenizer_record
 from megalm.errors import CheckpointError
+from megalm.models import build_model
+from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, resolve
+from megalm.training.checkpoint.safe_load import read_metadata
+from megalm.training.checkpoint.shapes import check_shapes
+from megalm.training.checkpoint.sharded_state import model_entries
 
 log = logging.getLogger("megalm.train")
 
@@ -40,7 +48,6 @@ class Start:
 
 def plan_start(cfg: Config, checkpointer, tokenizer, run_dir: Path) -> Start:
     """The checked starting point of this run (see the module doc); raises CheckpointError."""
-    from megalm.training.checkpoint import STATE_FILE, resolve
     latest = checkpointer.latest()  # verified against its manifest; rank 0 decides for all
     if latest is not None:
         start = Start(latest, False)
@@ -61,7 +68,7 @@ def plan_start(cfg: Config, checkpointer, tokenizer, run_dir: Path) -> Start:
 def _check_tokenizer(start: Start, tokenizer, run_dir: Optional[Path]) -> None:
     recorded = start.state.get("tokenizer")
     if recorded is None and run_dir is not None and (run_dir / "tokenizer.json").is_file():
-        from megalm.data import load_tokenizer  # a checkpoint from before the record: the run's own copy
+        # a checkpoint from before the record: the run's own copy
         recorded = tokenizer_record(load_tokenizer(run_dir))
     if recorded is None or recorded.get("identity") == tokenizer.identity:
         return  # an imported checkpoint records none: nothing to compare
@@ -76,10 +83,6 @@ def _check_model(path: Path, cfg: Config, weights_only: bool = False):
     """The stored tensors against the global shapes of this model config, on the meta device;
     returns the checkpoint's metadata (state_dict_metadata). Fine-tuning a model with new heads
     (a classifier on a pretrained BERT) takes the tensors the two share."""
-    from megalm.models import build_model
-    from megalm.training.checkpoint_shapes import check_shapes
-    from megalm.training.safe_load import read_metadata
-    from megalm.training.sharded_state import model_entries
     stored_arch = _stored_arch(path)
     if stored_arch is not None and stored_arch != cfg.model.arch:
         raise CheckpointError(f"checkpoint {path} holds a {stored_arch} model (its config.yaml), and this run's model "
@@ -94,8 +97,6 @@ def _check_model(path: Path, cfg: Config, weights_only: bool = False):
 
 def _stored_arch(path: Path) -> Optional[str]:
     """The model family a step folder's config.yaml names; None if it has none (older or imported checkpoints)."""
-    from omegaconf import OmegaConf
-    from megalm.training.checkpoint import CONFIG_FILE
     try:
         arch = OmegaConf.select(OmegaConf.load(path / CONFIG_FILE), "model.arch")
     except Exception:  # no file, or not YAML: the shape check below says what differs

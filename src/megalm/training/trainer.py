@@ -15,11 +15,15 @@ from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from megalm.config import TrainerConfig
+from megalm.data import MicroBatchLoader
+from megalm.data.loader import Prefetcher
 from megalm.data.provenance import tokenizer_record
+from megalm.distributed.mesh import replica_mesh
 from megalm.errors import TrainingError
 from megalm.family import Family
 from megalm.ops.routing import RoutingRecord, routing_step
 from megalm.training.checkpoint import Checkpointer
+from megalm.training.compiling import compile_report, compile_stats
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
 from megalm.parallel.context import weighted_loss
 from megalm.parallel.grads import clip_grads, mean_over
@@ -47,8 +51,6 @@ class Trainer:
         `layout`: what megalm.parallel.parallelize returned for this rank. `run_dir`: where profiled
         steps' traces go (trainer.profile_steps). `prefetch` (data.prefetch): training batches built
         ahead in a background thread (megalm.data.loader.Prefetcher); 0: in the step."""
-        from megalm.data import MicroBatchLoader
-        from megalm.data.loader import Prefetcher
         self.cfg, self.model, self.optimizer, self.schedule = cfg, model, optimizer, schedule
         self.data, self.checkpointer, self.metrics, self.throughput = data, checkpointer, metrics, throughput
         self.device, self.is_rank0, self.mesh, self.layout, self.pipeline = device, is_rank0, mesh, layout, pipeline
@@ -66,7 +68,6 @@ class Trainer:
         # (context parallelism: megalm.parallel.context, this rank's place in the layout) and weight their losses
         # to it.
         self.context = getattr(layout, "context", None)
-        from megalm.distributed.mesh import replica_mesh
         self.dp_group = replica_mesh(mesh).get_group() if mesh is not None else None
         self.dp_rank = mesh["dp"].get_local_rank() if mesh is not None else 0
         self.dp_size = mesh["dp"].size() if mesh is not None else 1
@@ -265,7 +266,6 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the same eval_steps global batches of validation data every time (the
         model's metrics, averaged the same way, in `val_metrics`)."""
-        from megalm.data import MicroBatchLoader
         self.model.eval()
         loader = MicroBatchLoader(self.data.valid, micro_batch_size=self.cfg.micro_batch_size,
                                   global_batch_size=self.cfg.global_batch_size,
@@ -347,7 +347,6 @@ class Trainer:
         bar = tqdm(total=c.max_steps, initial=self.step, disable=not (self.is_rank0 and c.progress_bar),
                    dynamic_ncols=True, desc="train", unit="step")
         if c.compile != "none":
-            from megalm.training.compiling import compile_report, compile_stats
             before = compile_stats()  # this run's compilation (evaluation's graphs included) counts from here
         with logging_redirect_tqdm():
             if c.eval_at_start and self.step == 0:

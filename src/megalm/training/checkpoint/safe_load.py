@@ -105,7 +105,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 class SafeLoadPlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that reads non-tensor entries weights-only (and finds the blocks of
-    megalm.training.chunks.Chunked entries)."""
+    megalm.training.checkpoint.chunks.Chunked entries)."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         # DCP's _init_state_dict replaces values of types it does not know with None, in place:

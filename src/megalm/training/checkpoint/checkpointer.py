@@ -1,28 +1,6 @@
-"""Checkpoints through torch.distributed.checkpoint (DCP).
-
-DCP stores every tensor with its global shape, which is what lets a later change load a
-checkpoint at another parallel layout. Layout on disk:
-
-    <dir>/step_00000100/        DCP shards + .metadata, trainer_state.json, config.yaml, manifest.json
-    <dir>/latest                name of the newest step folder, written last (for people and tools)
-
-Every tensor is stored under its global name and full shape, the vocabulary matrices with only
-the real rows (their padding depends on tp), so a checkpoint holds the same keys and shapes
-whatever layout it was written at. Each rank writes only the blocks it holds (tensor-parallel
-shards, ZeRO's flat ranges; megalm.training.sharded_state) with their global offsets, nothing
-is gathered, and a load reads into each rank's own tensors whatever blocks overlap them.
-
-Order of a save: every rank writes its blocks into <dir>/.step_XXXXXXXX.tmp (DCP); rank 0 adds
-trainer_state.json, then the manifest (megalm.training.manifest), renames the folder into place,
-then replaces `latest`. A crash, even kill -9, leaves a .tmp folder, which nothing loads, or a
-whole one. With async_save the blocks are copied to CPU memory, the write and the manifest run
-in background threads, and the rename waits for them at the next save or at finish(): at most
-one save is ever in flight.
-
-Auto-resume (Checkpointer.latest) takes the newest step folder that matches its manifest,
-logging and skipping damaged ones; an explicit checkpoint.load that does not match is an error.
-Folders from before manifests load unverified, with a warning.
-"""
+"""`Checkpointer`: a run's step folders, saved (every rank its own blocks, rank 0 the rest, then
+the atomic rename; optionally in the background) and loaded (verified against the manifest,
+shapes checked, read without running code from the files)."""
 
 from __future__ import annotations
 
@@ -42,18 +20,17 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megalm.config import CheckpointConfig
-from megalm.errors import CheckpointError, MissingFileError
-from megalm.training.checkpoint_shapes import check_shapes
-from megalm.training.chunks import ChunkedSavePlanner, stage_to_cpu
-from megalm.training.manifest import (
+from megalm.errors import CheckpointError
+from megalm.training.checkpoint.chunks import ChunkedSavePlanner, stage_to_cpu
+from megalm.training.checkpoint.manifest import (
     MANIFEST, folder_problems, fsync_dir, fsync_file, has_manifest, step_folders, write_manifest)
-from megalm.training.safe_load import load_state, read_metadata
-from megalm.training.sharded_state import model_entries, optim_entries, zero_vocab_padding
+from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, resolve
+from megalm.training.checkpoint.random_state import rank_streams, rng_state, set_rank_streams, set_rng_state
+from megalm.training.checkpoint.safe_load import load_state, read_metadata
+from megalm.training.checkpoint.shapes import check_shapes
+from megalm.training.checkpoint.sharded_state import model_entries, optim_entries, zero_vocab_padding
 
 log = logging.getLogger("megalm.checkpoint")
-STATE_FILE = "trainer_state.json"
-CONFIG_FILE = "config.yaml"
-RANK_RNG = "rng_ranks"  # each rank's own random streams (see _rank_streams)
 
 # The background writer of async_save warns from its own thread, where catch_warnings (below)
 # does not reach.
@@ -74,42 +51,6 @@ def _is_rank0() -> bool:
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def run_checkpoints(run_dir: Path) -> Path:
-    """The checkpoint dir of a run directory: its config.yaml's checkpoint.dir, relative to the run."""
-    from omegaconf import OmegaConf
-    try:
-        saved = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir", default="checkpoints")
-    except Exception:  # an unreadable config.yaml (OSError, YAML's errors): the default folder
-        saved = "checkpoints"
-    ckpt = Path(str(saved)).expanduser()
-    return ckpt if ckpt.is_absolute() else run_dir / ckpt
-
-
-def resolve(path: str | Path) -> Path:
-    """A step folder from a step folder, a checkpoint dir (its `latest`) or a run directory (its checkpoints)."""
-    path = Path(path).expanduser()
-    if (path / ".metadata").exists() or has_manifest(path):  # a damaged one too: load() names what is wrong
-        return path
-    marker = path / "latest"
-    if marker.exists():
-        step_dir = path / marker.read_text().strip()
-        if (step_dir / ".metadata").exists() or has_manifest(step_dir):
-            return step_dir
-        raise MissingFileError(f"{marker} names {step_dir.name}, which holds no complete checkpoint")
-    if not path.exists():
-        raise MissingFileError(f"no checkpoint at {path}: the path does not exist")
-    if (path / "config.yaml").is_file() and (run_checkpoints(path) / "latest").exists():  # a run directory
-        return resolve(run_checkpoints(path))
-    hint = ""
-    if (path / "config.json").is_file():
-        hint = (f"; {path} looks like a Hugging Face folder: `python -m megalm.convert import {path} OUT` makes a "
-                "megalm checkpoint of it, then checkpoint.load=OUT")
-    elif (path / "config.yaml").is_file():
-        hint = f"; {path} is a run directory with no checkpoint in {run_checkpoints(path)}"
-    raise MissingFileError(f"no checkpoint at {path}: neither a step folder (.metadata), a dir with `latest` nor a "
-                           f"run directory with checkpoints{hint}")
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -234,7 +175,7 @@ class Checkpointer:
                 self._write_failed(e, tmp)
         _barrier()
         state = {"model": model_entries(model, data_parallel), "optim": optim_entries(model, optimizer, data_parallel),
-                 "rng": rng_state(), **_rank_streams(layout, self.tp_group)}
+                 "rng": rng_state(), **rank_streams(layout, self.tp_group)}
         if _is_rank0():
             _write_trainer_state(tmp, dict(trainer_state, step=step))
             if self.config_yaml is not None:
@@ -338,12 +279,12 @@ class Checkpointer:
             state["model"].pop(key, None)
         if optimizer is not None:
             state.update(optim=optim_entries(model, optimizer, data_parallel), rng=rng_state(),
-                         **_rank_streams(layout, self.tp_group, metadata))
+                         **rank_streams(layout, self.tp_group, metadata))
         zero_vocab_padding(model, optimizer, data_parallel)  # the checkpoint fills the real rows only
         _quiet(load_state, state, path, metadata_read=True)  # in place; never runs code from the files
         if optimizer is not None:
             set_rng_state(state["rng"])
-            _set_rank_streams(layout, self.tp_group, state)
+            set_rank_streams(layout, self.tp_group, state)
         log.info("loaded checkpoint %s", path)
         return json.loads((path / STATE_FILE).read_text())
 
@@ -362,63 +303,6 @@ def _os_error_in(error: BaseException) -> Optional[OSError]:
         if isinstance(e, CheckpointException):  # rank -> (exception, stack summary)
             todo += [failure[0] for failure in e.failures.values()]
     return None
-
-
-def _role(layout, tp_group) -> str:
-    """The part of the model this rank runs: its streams carry over only to a rank in that role."""
-    tp = f"{dist.get_rank(tp_group)}/{dist.get_world_size(tp_group)}" if tp_group is not None else "0/1"
-    stage_ids, num_stages = (layout.stage_ids, layout.num_stages) if layout is not None else ([0], 1)
-    return f"world {dist.get_world_size()} tp {tp} stages {stage_ids}/{num_stages}"
-
-
-def _rank_streams(layout, tp_group, metadata=None) -> Dict[str, Any]:
-    """This rank's random streams under its own rank, {RANK_RNG: {"<rank>": ...}}; {} alone.
-
-    "rng" holds one copy for all ranks (DCP keeps one of equal keys), but pipeline stages draw
-    dropout for different layers, so their default generators part, and each tp rank has its
-    own "tp" stream (megalm.parallel.random): each needs its own to resume bitwise. With
-    `metadata` (loading), the template of what the checkpoint holds for this rank.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return {}
-    rank = str(dist.get_rank())
-    mine: Dict[str, Any] = {"role": _role(layout, tp_group), "default": rng_state()}
-    tp_rng = layout.tp_rng if layout is not None else None
-    if tp_rng is not None:
-        mine["tp"] = tp_rng.state_dict()["states"]
-    if metadata is not None:
-        if f"{RANK_RNG}.{rank}.role" not in metadata:
-            return {}
-        mine = {part: {k: v for k, v in value.items() if f"{RANK_RNG}.{rank}.{part}.{k}" in metadata}
-                if isinstance(value, dict) else value for part, value in mine.items()}
-    return {RANK_RNG: {rank: mine}}
-
-
-def _set_rank_streams(layout, tp_group, state: Dict[str, Any]) -> None:
-    """After "rng": this rank's own streams, if it runs the part of the model it ran at the save
-    (a layout change keeps "rng" alone: tp ranks must share their default stream)."""
-    for mine in state.get(RANK_RNG, {}).values():  # this rank's entry only
-        if mine["role"] != _role(layout, tp_group):
-            log.info("checkpoint written at another layout (%s, now %s): every rank starts from the shared "
-                     "random state", mine["role"], _role(layout, tp_group))
-            return
-        set_rng_state(dict(state["rng"], **mine["default"]))
-        tp_rng = layout.tp_rng if layout is not None else None
-        if tp_rng is not None and set(mine.get("tp", {})) == set(tp_rng.STREAMS):
-            tp_rng.load_state_dict({"states": mine["tp"]})
-
-
-def rng_state() -> Dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: Dict[str, torch.Tensor]) -> None:
-    torch.set_rng_state(state["cpu"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def load_model_weights(path: str | Path, model: torch.nn.Module) -> Dict[str, Any]:

@@ -28,7 +28,7 @@ def check_shapes(path: Path, metadata, model_sd, gather: bool = True, fresh: Seq
     """Raise, listing every difference, if the stored model tensors are not the ones `model_sd`
     expects. `metadata`: flattened key ("model.blocks.0.attn.qkv.weight") -> DCP metadata, as
     safe_load.read_metadata gives it (state_dict_metadata). Both sides are global shapes (real vocabulary rows; `model_sd` holds a rank's
-    Chunked entries, megalm.training.sharded_state); a pipeline stage holds only its layers, so
+    Chunked entries, megalm.training.checkpoint.sharded_state); a pipeline stage holds only its layers, so
     the expectation is the union over every rank (gather=False: `model_sd` is the whole model already).
 
     Fine-tuning: tensors of the modules in `fresh` (new heads) may be missing from the checkpoint,

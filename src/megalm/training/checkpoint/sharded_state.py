@@ -4,8 +4,8 @@ Keys and stored shapes are the same at every layout: the model's parameters unde
 names (`blocks.7.attn.qkv.weight`; a single process's tied head under `head.weight` too), the
 optimizer state flattened per parameter (`state.<name>.exp_avg`, `state.<name>.step`,
 `param_groups.<name>.lr`), vocabulary matrices with only the real rows. Each tensor entry is a
-`Chunked` of views of this rank's memory (megalm.training.chunks), so a save writes what the
-rank holds and a load fills the rank's tensors in place, whatever layout wrote the file:
+`Chunked` of views of this rank's memory (megalm.training.checkpoint.chunks), so a save writes
+what the rank holds and a load fills the rank's tensors in place, whatever layout wrote the file:
 
 - tensor parallel: the rank's shard, placed by its TPShard;
 - ZeRO 1/2: full weights (replicated over dp, written once), optimizer state of the rank's flat
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from megalm.models.registry import family_of
-from megalm.training.chunks import Chunked, place
+from megalm.training.checkpoint.chunks import Chunked, place
 
 
 def _vocab_rows(model: nn.Module, name: str, p: nn.Parameter) -> Optional[int]:
