@@ -4,8 +4,9 @@
   tensor perturbed) imported with `python -m megalm.convert import` gives transformers' logits within 1e-4
   (fp32; measured ~2e-6), exports back bit for bit, and greedy decoding over megalm's KV cache gives
   transformers' 32 tokens. A wrong qkv regrouping, rotary share or residual form is off by far more.
-- Layouts: neox_tiny trained at tp2 with sequence parallelism, pp2, dp2 (plain and ZeRO-3 with selective
-  recomputation) and cp2 on gloo ranks equals the single process within relative 1e-5 after each step.
+- Layouts: neox_tiny (4 layers, 200 ids: 200 / 208 rows at tp 1 / 2) trained at tp2 with sequence
+  parallelism, pp2, dp2 (plain and ZeRO-3 with selective recomputation) and cp2 on gloo ranks equals the
+  single process within relative 1e-5 after each step. Packed examples attend and rotate as each alone.
 - Commands: a trained neox_tiny run is served (OpenAI completions: greedy text as megalm's own generation,
   log-probabilities as transformers' on the exported weights), evaluated (`megalm.evaluate RUN perplexity`,
   in one process and at tp2, as transformers scores the text) and planned (`megalm.plan model=neox_tiny`).
@@ -130,12 +131,28 @@ def test_config_errors_name_the_value(override, message):
         validate(load("model=neox_tiny", "data=mock", override), 1)
 
 
+def test_packed_examples_are_each_computed_as_alone():
+    """(position_ids, segment_ids) of packed examples (data=sft's packing; Family.optional_inputs): positions
+    restart and attention stays inside each example."""
+    model = build_model(load("model=neox_tiny").model).eval()
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    a, b = torch.randint(0, 8192, (1, 12)), torch.randint(0, 8192, (1, 20))
+    positions = torch.cat([torch.arange(12), torch.arange(20)])[None]
+    segments = torch.cat([torch.zeros(12), torch.ones(20)]).long()[None]
+    with torch.no_grad():
+        packed = model(torch.cat([a, b], dim=1), positions, segments)
+        alone = torch.cat([model(a), model(b)], dim=1)
+    assert (packed - alone).abs().max() < 1e-5 and alone.std() > 0.5
+
+
 STEPS = 4
-BASE = ["model=neox_tiny", "model.num_layers=4", "data=mock", "logging.curves=false", "trainer.micro_batch_size=2",
-        "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}", "trainer.eval_steps=1", "trainer.eval_interval=0",
-        "trainer.log_interval=1", "trainer.progress_bar=false", "trainer.num_threads=1", "optimizer.warmup_steps=1",
-        "optimizer.lr=1e-2", "cluster.peak_flops=1e12", "checkpoint.save=false", "trainer.grad_clip=0.3",
-        "parallel.bucket_size_mb=0.02"]
+BASE = ["model=neox_tiny", "model.num_layers=4", "model.vocab_size=200", "data=mock", "logging.curves=false",
+        "trainer.micro_batch_size=2", "trainer.global_batch_size=8", f"trainer.max_steps={STEPS}",
+        "trainer.eval_steps=1", "trainer.eval_interval=0", "trainer.log_interval=1", "trainer.progress_bar=false",
+        "trainer.num_threads=1", "optimizer.warmup_steps=1", "optimizer.lr=1e-2", "cluster.peak_flops=1e12",
+        "checkpoint.save=false", "trainer.grad_clip=0.3", "parallel.bucket_size_mb=0.02"]
 LAYOUTS = {
     "tp2_sp": ["parallel=tp2", "parallel.sequence_parallel=true"],
     "pp2_1f1b": ["parallel=pp2", "parallel.pipeline_schedule=1f1b"],
