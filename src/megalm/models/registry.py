@@ -25,6 +25,7 @@ FAMILY_MODULES: Dict[str, str] = {
     "gpt": "megalm.models.gpt",
     "bert": "megalm.models.bert",
     "t5": "megalm.models.t5",
+    "neox": "megalm.models.neox",
 }
 """model.arch -> the package defining its FAMILY; a new family adds its line here."""
 
