@@ -34,9 +34,10 @@ from megalm.generate import generate_ids
 from megalm.models import build_model
 from megalm.training.checkpoint import load_model_weights
 from megalm.validation import validate
-from test_evaluate import _hf_logprobs
-from test_parallel_model import load, losses, run_layouts
-from test_serve import _start, _stop
+from configs import load
+from eval_reference import hf_logprobs
+from layouts import losses, run_layouts
+from server_process import start_server, stop_server
 
 V, T, NEW = 99, 48, 32  # a vocabulary megalm pads (to 128), the context, tokens decoded greedily
 KINDS = {  # a head of 16 channels, 4 of them rotating; a RoPE base and eps other than the defaults
@@ -203,7 +204,7 @@ def test_served_completions_equal_generation_alone_and_transformers(neox_run):
     from megalm.generate import load_for_generation
     run_dir, hf, tok = neox_run
     _, model, _, _ = load_for_generation(run_dir)
-    proc, url = _start(run_dir)
+    proc, url = start_server(run_dir)
     try:
         for prompt in ("import os\n", "def f(x):"):
             r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
@@ -214,10 +215,10 @@ def test_served_completions_equal_generation_alone_and_transformers(neox_run):
             ids = list(generate_ids(model, context, max_new_tokens=12, temperature=0, top_k=0,
                                     vocab_size=tok.vocab_size, eod=tok.eod))
             assert choice["text"] == tok.decode(context + ids)[len(tok.decode(context)):]
-            ref = _hf_logprobs(hf, context, ids)[0].tolist()
+            ref = hf_logprobs(hf, context, ids)[0].tolist()
             assert choice["logprobs"]["token_logprobs"] == pytest.approx(ref, abs=1e-4)
     finally:
-        assert _stop(proc) == 0
+        assert stop_server(proc) == 0
 
 
 TEXT = ("Return the number of items in a container. The argument may be a sequence (such as a string, bytes, tuple, "
@@ -238,7 +239,7 @@ def test_evaluated_perplexity_equals_transformers(neox_run, tmp_path, layout):
     ids = [tok.eod] + tok.encode(TEXT)
     seq = 32
     assert len(ids) > 2 * seq  # several windows, each token scored with the context the stride rule gives
-    nll = -sum(float(_hf_logprobs(hf, ids[max(0, math.ceil((t - seq) / 16)) * 16:t], [ids[t]])[0][0])
+    nll = -sum(float(hf_logprobs(hf, ids[max(0, math.ceil((t - seq) / 16)) * 16:t], [ids[t]])[0][0])
                for t in range(1, len(ids)))
     assert got["tokens"] == len(ids) - 1
     assert got["nll"] == pytest.approx(nll, rel=1e-5)
