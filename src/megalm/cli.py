@@ -17,7 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, List, NoReturn, Optional, Sequence
 
+from megalm.config import Config, conf_dir
 from megalm.errors import ConfigError, cli_errors, did_you_mean, full_errors
+from megalm.models.registry import family_names, family_of
 
 
 def _fields(schema: Any) -> List[str]:
@@ -30,8 +32,6 @@ GROUPS = ("model", "parallel", "optimizer", "data", "cluster")
 
 def _field_type(key: str) -> Any:
     """The schema's type of a dotted key (model.* in any family's schema), Optional unwrapped; None if unknown."""
-    from megalm.config import Config
-    from megalm.models.registry import family_names, family_of
     head, *rest = key.split(".")
     roots = [family_of(a).config for a in family_names()] if head == "model" else [Config]
     if head != "model":
@@ -53,7 +53,6 @@ def _field_type(key: str) -> Any:
 
 
 def _group_presets(group: str) -> List[str]:
-    from megalm.config import conf_dir
     return sorted(p.stem for p in (Path(conf_dir()) / group).glob("*.yaml") if not p.stem.endswith("_schema"))
 
 

@@ -18,8 +18,12 @@ from typing import Iterator, List, Optional
 
 import torch
 
+from megalm.data import load_tokenizer
+from megalm.data.samples.t5 import t5_specials
 from megalm.distributed.device import resolve_device
 from megalm.errors import ConfigError, MissingFileError, cli_errors
+from megalm.models import build_model
+from megalm.models.layers import KVCache
 from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.generate"
@@ -64,7 +68,6 @@ def generate_ids(model, prompt: List[int], *, max_new_tokens: int, temperature: 
                  top_k: int = 50, top_p: float = 0.95, vocab_size: Optional[int] = None,
                  eod: Optional[int] = None, seed: int = 0, use_cache: bool = True) -> Iterator[int]:
     """Yield new token ids one at a time (stops at eod, max_new_tokens or the model's context)."""
-    from megalm.models.layers import KVCache
     cfg = model.cfg
     use_cache = use_cache and getattr(model, "supports_cache", True)  # a model at a tp/pp layout keeps none
     device = next(model.parameters()).device
@@ -99,7 +102,6 @@ def generate_seq2seq_ids(model, source: List[int], *, bos: int, eos: Optional[in
     """An encoder-decoder model's output for `source`, one id at a time: the encoder runs once (and each
     decoder layer's cross-attention keys and values are computed once from it), then the decoder from
     `bos`, a token a step over its KV cache; stops at eos, max_new_tokens or model.decoder_seq_length."""
-    from megalm.models.layers import KVCache
     cfg = model.cfg
     device = next(model.parameters()).device
     model.eval()
@@ -141,9 +143,7 @@ def check_source(source: List[int], vocab_size: int, seq_length: int, what: str 
 
 
 def load_for_generation(run_dir: Path, device: str = "cpu"):
-    from megalm.data import load_tokenizer
-    from megalm.models import build_model
-    from megalm.training.checkpoint import Checkpointer, load_model_weights
+    from megalm.training.checkpoint import Checkpointer, load_model_weights  # lazy: torch's checkpoint library, off `--help`
     cfg = load_run_config(run_dir)
     model = build_model(cfg.model, device=device)
     step_dir = Checkpointer(cfg.checkpoint, run_dir).latest()
@@ -243,7 +243,6 @@ def _generate(args: argparse.Namespace) -> None:
 
 def _generate_seq2seq(args: argparse.Namespace, cfg, model, tok, state) -> None:
     """An encoder-decoder run: --prompt is the encoder's input; the output is printed on its own."""
-    from megalm.data.samples.t5 import t5_specials
     specials = t5_specials(tok)
     source = tok.encode(args.prompt)
     check_source(source, tok.vocab_size, cfg.model.seq_length, what="--prompt")

@@ -19,9 +19,11 @@ from omegaconf.errors import MissingMandatoryValue
 
 from megalm.cli import run_hydra_app
 from megalm.config import Config, conf_dir
-from megalm.models.registry import register_configs
 from megalm.errors import ConfigError, MegalmError, cli_errors
 from megalm.launch import as_rank, detect_rank_env, plan_world, spawn_local
+from megalm.models import build_model
+from megalm.models.registry import register_configs
+from megalm.report import job_record, write_job, write_sweep_summary
 from megalm.training.job import run
 from megalm.validation import reject_unknown_keys, validate
 
@@ -46,7 +48,6 @@ def _task(dcfg: DictConfig) -> Optional[float]:
     if sweep is None:
         return _run(dcfg)
     sweep_dir, run_dir, overrides = sweep
-    from megalm.report import job_record, write_job, write_sweep_summary
     try:
         val_loss = _run(dcfg)
     except BaseException as e:
@@ -79,7 +80,6 @@ def _rank0() -> bool:
 
 def _params(dcfg: DictConfig) -> int:
     """The model's parameter count, from a meta-device build (nothing allocated)."""
-    from megalm.models import build_model
     model_cfg = OmegaConf.to_object(dcfg).model
     return sum(p.numel() for p in build_model(model_cfg, device="meta").parameters())
 

@@ -10,10 +10,15 @@ from typing import Any
 
 from megalm.config import Config, ModelConfig, ParallelConfig
 from megalm.data.spec import blend_spec, split_weights
+from megalm.data.tasks.classification import CHOICE_TASKS, num_classes
+from megalm.data.tasks.sft import template_parts
+from megalm.distributed.mesh import ParallelDims
 from megalm.errors import ConfigError, did_you_mean
 from megalm.family import Family
+from megalm.launch import detect_rank_env
 from megalm.models.registry import family_names, family_of
 from megalm.ops.fused_loss import BACKWARDS as FUSED_LOSS_BACKWARDS
+from megalm.parallel import te_available
 from megalm.parallel.stages import MULTI_STAGE, stage_layer_ranges
 from megalm.training.cpu_memory import CHOICES as ALLOCATORS
 
@@ -129,7 +134,6 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
             f"model.num_attention_heads={m.num_attention_heads} is not divisible by "
             f"model.num_query_groups={m.kv_heads}")
     if m.transformer_impl == "te":
-        from megalm.parallel import te_available
         if not te_available():
             raise ConfigError(
                 "model.transformer_impl=te needs Transformer Engine on a CUDA device "
@@ -217,7 +221,6 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
         if cfg.data.tokenizer.type != "null" and not cfg.data.tokenizer.model:
             raise ConfigError("data.source=sft needs the tokenizer the model was trained with: set "
                               "data.tokenizer.model (e.g. <pretraining run>/tokenizer.model)")
-        from megalm.data.tasks.sft import template_parts
         template_parts(cfg.data.chat_template, "user")
     _validate_vocab(cfg)
     for precision, peak in cfg.cluster.peak_flops_per_dtype.items():
@@ -252,7 +255,6 @@ def _validate_backend(cfg: Config, world_size: int, launching: bool) -> None:
     on_cpu = device == "cpu"
     if launching:
         import torch.distributed
-        from megalm.launch import detect_rank_env
         if world_size == 1 and detect_rank_env() is None:
             return  # one process: no process group
         on_cpu = on_cpu or (device == "auto" and not torch.cuda.is_available())
@@ -314,7 +316,6 @@ def _validate_head(cfg: Config) -> None:
             raise ConfigError(f"data.doc_stride={d.doc_stride} and data.max_query_length={d.max_query_length} must be "
                               f"at least 1, and the query must leave room for context in model.seq_length={m.seq_length}")
         return
-    from megalm.data.tasks.classification import CHOICE_TASKS, num_classes
     if d.source != "classification":
         if heads:
             raise ConfigError(f"{heads[0]} fine-tunes on labelled examples: set data=classification "
@@ -426,7 +427,6 @@ def _validate_fused_loss(m: ModelConfig) -> None:
 
 
 def parallel_dims(p: ParallelConfig, world_size: int):
-    from megalm.distributed.mesh import ParallelDims
     return ParallelDims.from_config(p, world_size)
 
 

@@ -32,10 +32,13 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from megalm.config import ModelConfig
-from megalm.models.registry import model_config_from, preset_yaml
-from megalm.models.hf_rules import Rule, UnsupportedArchitecture, expand
+from megalm.config import CheckpointConfig, ModelConfig, OptimizerConfig, conf_dir
+from megalm.data import load_tokenizer
 from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError
+from megalm.models import build_model
+from megalm.models.hf_rules import Rule, UnsupportedArchitecture, expand
+from megalm.models.registry import family_names, family_of, model_config_from, preset_yaml
+from megalm.training.optim import build_optimizer
 
 log = logging.getLogger("megalm.convert")
 
@@ -75,7 +78,6 @@ class MissingPackage(MegalmError, ImportError):
 
 def _mapping(arch: str):
     """The Hugging Face mapping module of model family `arch`."""
-    from megalm.models import family_of
     module = family_of(arch).hf
     if module is None:
         raise UnsupportedArchitecture(f"model.arch={arch!r}: the {arch} family has no Hugging Face mapping")
@@ -84,7 +86,6 @@ def _mapping(arch: str):
 
 def _mappings() -> Dict[str, Any]:
     """Hugging Face model_type -> the mapping module that reads it, over every family."""
-    from megalm.models.registry import family_names, family_of
     out: Dict[str, Any] = {}
     for name in family_names():
         if family_of(name).hf is not None:
@@ -143,7 +144,7 @@ def model_yaml(cfg: ModelConfig, header: str) -> str:
 
 def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, ModelConfig, Optional[Path]]:
     """(step folder, model config, directory holding config.yaml) for a run dir, checkpoint dir or step folder."""
-    from megalm.training.checkpoint import resolve, run_checkpoints
+    from megalm.training.checkpoint import resolve, run_checkpoints  # lazy: torch's checkpoint library, ~1 s off `--help`
     path = Path(path).expanduser()
     what = "a megalm run directory (config.yaml + checkpoints/), a checkpoint dir (with `latest`) or a step folder"
     if not path.exists():
@@ -178,7 +179,6 @@ def _run_tokenizer(run_dir: Optional[Path]):
     if run_dir is None or not (run_dir / "tokenizer.json").is_file():
         return None
     try:
-        from megalm.data import load_tokenizer
         return load_tokenizer(run_dir)
     except Exception as e:  # a tokenizer is a nice-to-have: the weights do not depend on it
         log.warning("not copying the tokenizer of %s: %s", run_dir, e)
@@ -217,8 +217,7 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
                  force: bool = False, copy_tokenizer: bool = True) -> Path:
     """Write a Hugging Face folder (config.json + model.safetensors) for a megalm checkpoint."""
     save_file = _safetensors().torch.save_file
-    from megalm.models import build_model, family_of
-    from megalm.training.checkpoint import STATE_FILE, load_model_weights
+    from megalm.training.checkpoint import STATE_FILE, load_model_weights  # lazy: torch's checkpoint library, ~1 s off `--help`
     if dtype not in DTYPES:
         raise ConfigError(f"--dtype={dtype!r} is not one of {', '.join(DTYPES)}")
     step_dir, cfg, run_dir = locate_checkpoint(src, config)
@@ -342,7 +341,6 @@ def _fresh_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _optimizer_config(preset: str):
-    from megalm.config import OptimizerConfig, conf_dir
     path = Path(conf_dir()) / "optimizer" / f"{preset}.yaml"
     if not path.is_file():
         have = sorted(p.stem for p in path.parent.glob("*.yaml"))
@@ -358,10 +356,7 @@ def _safe_name(text: str) -> str:
 def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, seq_length: Optional[int] = None,
                    optimizer: str = "adamw", force: bool = False) -> Tuple[Path, ModelConfig]:
     """Write a megalm checkpoint dir (step_00000000 + latest, config.yaml, conf/model/NAME.yaml) for an HF folder."""
-    from megalm.config import CheckpointConfig
-    from megalm.models import build_model, family_of
-    from megalm.training.checkpoint import Checkpointer
-    from megalm.training.optim import build_optimizer
+    from megalm.training.checkpoint import Checkpointer  # lazy: torch's checkpoint library, ~1 s off `--help`
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
         raise MissingFileError(f"{hf_dir} is not a directory: expected a Hugging Face model folder "

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import TYPE_CHECKING, Any, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
+from megalm.config import DataConfig
 from megalm.errors import ConfigError, DataError
-
-if TYPE_CHECKING:  # the annotation only: callers hand in the DataConfig they already hold
-    from megalm.config import DataConfig
 
 
 def split_weights(split: str) -> List[float]:

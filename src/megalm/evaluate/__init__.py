@@ -42,7 +42,12 @@ from typing import Any, Dict, List, Optional, Sequence
 from megalm.data.formats.jsonl import not_utf8
 from megalm.distributed.device import resolve_device
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
+from megalm.evaluate import generation
+from megalm.evaluate.classify import classify
+from megalm.evaluate.layout import check_layout, is_rank0, load_at_layout, on_ranks
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
+from megalm.evaluate.squad import squad
+from megalm.generate import load_for_generation, scoring_task
 from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.evaluate"
@@ -63,7 +68,6 @@ def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: in
         raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={load_run_config(run_dir).model.arch}): "
                           f"megalm.evaluate runs it on one process; drop --tp {tp} --pp {pp} --dp {dp}")
     if tp * pp * dp > 1:
-        from megalm.evaluate.layout import check_layout, on_ranks
         check_layout(Path(run_dir), tp, pp)  # before any rank starts
         return on_ranks(tp * pp * dp, device, _evaluate, run_dir, task, data, tp=tp, pp=pp, dp=dp, device=device,
                         **options)
@@ -75,9 +79,6 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
              stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
              n_best: int = 20, max_answer_length: int = 30, null_threshold: float = 0.0, write: bool = True) -> Dict[str, Any]:
-    from megalm.evaluate import generation
-    from megalm.evaluate.layout import is_rank0, load_at_layout
-    from megalm.generate import load_for_generation, scoring_task
     if task not in TASKS:
         raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
     if batch_size < 1 or max_new_tokens < 1 or timeout_s <= 0:
@@ -93,12 +94,10 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
         cfg, model, tok, state = load_for_generation(run_dir, device)
     write = write and is_rank0()
     if task == "classify":
-        from megalm.evaluate.classify import classify
         start = time.perf_counter()
         return _finish(run_dir, task, data, cfg, state, classify(cfg, model, tok, data, batch_size), start, write,
                        tp, pp, dp)
     if task == "squad":
-        from megalm.evaluate.squad import squad
         start = time.perf_counter()
         details = run_dir / "eval" / f"squad_{data.name.split('.')[0]}_predictions.json" if write else None
         if details is not None:

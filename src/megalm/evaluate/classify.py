@@ -16,7 +16,11 @@ from typing import Any, Dict, List
 import numpy as np
 import torch
 
+from megalm.data.loader import collate
+from megalm.data.tasks.classification import CHOICE_TASKS, read_examples
 from megalm.errors import ConfigError
+from megalm.evaluate.layout import across_replicas
+from megalm.models import family_of
 
 
 def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: int) -> Dict[str, float]:
@@ -27,7 +31,6 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
     except ImportError:
         raise ConfigError("the classify task computes its metrics with scikit-learn and scipy: "
                           "pip install 'megalm[classify]'") from None
-    from megalm.data.tasks.classification import CHOICE_TASKS
     if task in CHOICE_TASKS:  # the index of the right choice: accuracy, as Megatron's RACE reports
         return {"accuracy": float(np.mean(predictions == labels))}
     if num_labels == 1:
@@ -45,9 +48,6 @@ def metrics(task: str, predictions: np.ndarray, labels: np.ndarray, num_labels: 
 
 @torch.no_grad()
 def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, Any]:
-    from megalm.data.tasks.classification import read_examples
-    from megalm.data.loader import collate
-    from megalm.models import family_of
     m = cfg.model
     num_labels, num_choices = getattr(m, "num_labels", 0), getattr(m, "num_choices", 0)
     if not (num_labels or num_choices):
@@ -68,7 +68,6 @@ def classify(cfg, model, tokenizer, path: Path, batch_size: int) -> Dict[str, An
             out_all += (out[:, 0] if num_labels == 1 else out.argmax(-1)).tolist()
         return out_all
 
-    from megalm.evaluate.layout import across_replicas
     predictions = np.array(across_replicas(model, predict, examples))  # data-parallel replicas: a share each
     labels = np.array([e.label for e in examples])
     return {"examples": len(examples), "data_task": cfg.data.task,

@@ -20,9 +20,12 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from megalm.data.samples.t5 import t5_specials
 from megalm.errors import ConfigError, DataError
+from megalm.evaluate.layout import across_replicas
 from megalm.evaluate.likelihood import read_jsonl
 from megalm.evaluate.sandbox import Outcome, network_isolation, run_program
+from megalm.generate import generate_ids, generate_seq2seq_ids
 
 HUMANEVAL_STOP = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # the Codex paper's stop sequences
 
@@ -51,9 +54,7 @@ def complete(model, tokenizer, prompt: str, *, max_new_tokens: int, stop: Sequen
     """The text generated after `prompt` (as a document: after the end-of-document token), cut
     before the first stop string; greedy at temperature 0. An encoder-decoder model reads the prompt
     as its source and writes its output from BOS to EOS."""
-    from megalm.generate import generate_ids, generate_seq2seq_ids
     if hasattr(model, "encode"):
-        from megalm.data.samples.t5 import t5_specials
         specials = t5_specials(tokenizer)
         source = tokenizer.encode(prompt)
         if len(source) > seq_length:
@@ -123,7 +124,6 @@ def code(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, samp
         if not problems:
             raise DataError(f"{path}: no problem leaves room for --max-new-tokens={max_new_tokens} within "
                             f"model.seq_length={seq_length}")
-    from megalm.evaluate.layout import across_replicas
     wanted = [(p, j) for p in problems for j in range(samples)]  # data-parallel replicas take a share each
     flat = across_replicas(model, lambda part: [
         complete(model, tokenizer, p["prompt"], max_new_tokens=max_new_tokens, stop=HUMANEVAL_STOP,
@@ -152,7 +152,6 @@ def generate(model, tokenizer, path: Path, *, seq_length: int, vocab_size: int, 
     except ImportError:
         raise ConfigError("the generate task scores BLEU and chrF with sacrebleu: pip install "
                           "'megalm[translation]'") from None
-    from megalm.evaluate.layout import across_replicas
     prompts, refs = [], []
     for where, rec in read_jsonl(path, ["prompt", "reference"]):
         ref = rec["reference"] if isinstance(rec["reference"], list) else [rec["reference"]]

@@ -24,7 +24,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from megalm.errors import ConfigError, cli_errors, did_you_mean
+from megalm.evaluate.generation import complete
+from megalm.evaluate.layout import check_layout, is_rank0, load_at_layout, on_ranks
 from megalm.evaluate.likelihood import Scorer, windows
+from megalm.generate import load_for_generation
 from megalm.models.registry import family_of
 
 try:
@@ -53,14 +56,12 @@ class MegalmLM(LM):
         tp, pp = int(tp), int(pp)
         if tp * pp > 1:
             import torch.distributed as dist
-            from megalm.evaluate.layout import load_at_layout
             if not dist.is_initialized():
                 raise ConfigError(f"tp={tp} x pp={pp} runs the model over {tp * pp} ranks: start "
                                   f"python -m {PROG} --tp {tp} --pp {pp}, or the harness under torchrun "
                                   f"--nproc-per-node {tp * pp} with this process group initialised")
             self.cfg, self.model, self.tokenizer, self.state = load_at_layout(Path(run_dir), tp, pp, device)
         else:
-            from megalm.generate import load_for_generation
             self.cfg, self.model, self.tokenizer, self.state = load_for_generation(Path(run_dir), device)
         kind = family_of(self.cfg.model.arch).kind
         if kind != "decoder":
@@ -100,7 +101,6 @@ class MegalmLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> List[str]:
-        from megalm.evaluate.generation import complete
         out = []
         for r in requests:
             context, kwargs = r.args
@@ -147,7 +147,6 @@ def run_harness(run_dir: Path, tasks: List[str], *, include_path: Optional[str] 
     if tp < 1 or pp < 1:
         raise ConfigError(f"--tp {tp} and --pp {pp} must be at least 1")
     if tp * pp > 1:
-        from megalm.evaluate.layout import check_layout, on_ranks
         check_layout(Path(run_dir), tp, pp)
         return on_ranks(tp * pp, device, _run_harness, run_dir, tasks, include_path, limit, num_fewshot, batch_size,
                         device, tp, pp)
@@ -177,7 +176,6 @@ def _run_harness(run_dir, tasks, include_path, limit, num_fewshot, batch_size, d
                  pp) -> Optional[Dict[str, Any]]:
     import lm_eval
     from lm_eval.tasks import TaskManager
-    from megalm.evaluate.layout import is_rank0
     manager = _task_manager(TaskManager, tasks, include_path)
     _check_tasks(manager, tasks, include_path)  # before the model loads, not as the harness's KeyError after
     model = MegalmLM(str(run_dir), device=device, batch_size=batch_size, tp=tp, pp=pp)

@@ -29,7 +29,16 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megalm.config import ParallelConfig
+from megalm.data import load_tokenizer
+from megalm.distributed.comm import gather_last_dim
+from megalm.distributed.mesh import ParallelDims, build_mesh
 from megalm.errors import ConfigError, MegalmError, MissingFileError
+from megalm.family import Part
+from megalm.models import build_model, family_of
+from megalm.models.registry import load_run_config
+from megalm.parallel import materialize, parallelize
+from megalm.parallel.pipeline import _recv, _send
 
 
 class LayoutModel:
@@ -50,7 +59,6 @@ class LayoutModel:
         self.owners = [dist.get_global_rank(self.pp_group, r) for r in range(self.pp)]
         self.part = None
         if self.pp > 1:
-            from megalm.family import Part
             self.part = Part(tuple(layout.stage_ranges[self.stage]), self.stage == 0, self.stage == self.pp - 1)
         self.local_vocab = self.cfg.padded_vocab(self.tp) // self.tp if self.tp > 1 else None
 
@@ -77,7 +85,6 @@ class LayoutModel:
             rows["cache"] = cache
         if self.pp == 1:
             return self._whole(self.module(*inputs, **rows))
-        from megalm.parallel.pipeline import _recv, _send
         x = inputs if self.stage == 0 else _recv(self.owners[self.stage - 1], self.pp_group)
         out = self.module(*(x if isinstance(x, tuple) else (x,)), part=self.part, **rows)
         last = self.owners[-1]
@@ -93,7 +100,6 @@ class LayoutModel:
         """Vocabulary-parallel logits gathered over tp (other outputs are replicated already)."""
         if self.local_vocab is None:
             return out
-        from megalm.distributed.comm import gather_last_dim
         if isinstance(out, tuple):
             return tuple(self._whole(o) for o in out)
         return gather_last_dim(out, self.tp_group) if out.shape[-1] == self.local_vocab else out
@@ -101,8 +107,6 @@ class LayoutModel:
 
 def check_layout(run_dir: Path, tp: int, pp: int):
     """The run's config, when the model splits into tp x pp (else a ConfigError)."""
-    from megalm.models.registry import load_run_config
-    from megalm.models import family_of
     cfg = load_run_config(run_dir)
     m = cfg.model
     if pp > m.num_layers:
@@ -118,12 +122,7 @@ def check_layout(run_dir: Path, tp: int, pp: int):
 def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int = 1):
     """(config, LayoutModel, tokenizer, checkpoint state) of the run's latest checkpoint at tp x pp, in
     each of dp replicas."""
-    from megalm.config import ParallelConfig
-    from megalm.data import load_tokenizer
-    from megalm.distributed.mesh import ParallelDims, build_mesh
-    from megalm.models import build_model, family_of
-    from megalm.parallel import materialize, parallelize
-    from megalm.training.checkpoint import Checkpointer
+    from megalm.training.checkpoint import Checkpointer  # lazy: torch's checkpoint library, off `--help`
     world = dist.get_world_size()
     if tp * pp * dp != world:
         raise ConfigError(f"--tp {tp} x --pp {pp} x --dp {dp} = {tp * pp * dp} must be the number of ranks, {world}")

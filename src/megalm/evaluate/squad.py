@@ -24,8 +24,11 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from megalm.data.tasks.squad import Question, Window, answer_text
-from megalm.errors import DataError
+from megalm.data.loader import collate
+from megalm.data.tasks.squad import Question, Window, answer_text, read_squad, words_of
+from megalm.errors import ConfigError, DataError
+from megalm.evaluate.layout import across_replicas
+from megalm.models import family_of
 
 _PUNCTUATION = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
@@ -148,10 +151,6 @@ def squad(cfg, model, tokenizer, path, batch_size: int, *, n_best: int = 20, max
 
     import torch
 
-    from megalm.data.loader import collate
-    from megalm.data.tasks.squad import read_squad, words_of
-    from megalm.errors import ConfigError
-    from megalm.models import family_of
     m = cfg.model
     if not getattr(m, "span_head", False):
         raise ConfigError(f"the squad task scores an extractive-QA run (model.span_head=true); this run is "
@@ -175,7 +174,6 @@ def squad(cfg, model, tokenizer, path, batch_size: int, *, n_best: int = 20, max
             logits += list(model(*(batch[k].to(device) for k in family.inputs)).float().cpu().numpy())
         return logits
 
-    from megalm.evaluate.layout import across_replicas
     out = np.stack(across_replicas(model, read, flat))  # (windows, T, 2); data-parallel replicas: a share each
     predictions: Dict[str, str] = {}
     k = 0

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Tuple
 
+from megalm.distributed.mesh import ParallelDims
 from megalm.errors import ConfigError
+from megalm.parallel.stages import stage_layer_ranges, virtual_stages_of
 from megalm.plan.attention import _attention_core, _key_mask, ring_attention_bytes
 from megalm.plan.moe import _moe_input, moe_kept_bytes
 from megalm.plan.schedules import schedule_actions, virtual_stages_per_rank
@@ -271,8 +273,6 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
     forwards and backwards from `schedule_actions`. Without a pipeline the trainer runs each micro-batch's
     forward and backward before the next: one in flight.
     """
-    from megalm.distributed.mesh import ParallelDims
-    from megalm.parallel.stages import stage_layer_ranges, virtual_stages_of
     p, t = cfg.parallel, cfg.trainer
     d = _shape(cfg, world, device)
     dims = ParallelDims.from_config(p, world)

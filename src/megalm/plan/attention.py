@@ -4,6 +4,7 @@ path (`_attention_core`), the unfused attention (`_unfused_core`), context paral
 
 from __future__ import annotations
 
+from megalm.ops.attention import CAUSAL_SPLIT_MIN
 from megalm.plan.shapes import FP32, _Shape
 
 
@@ -50,7 +51,6 @@ def _unfused_core(d: _Shape) -> float:
     Causal self-attention of CAUSAL_SPLIT_MIN tokens or more without dropout runs as two query halves, the first
     against the first half of the keys: scores and masks are 3/4 of the whole, and k and v, where the fold copies
     them, are copied once more for the first half (kv / 2 each)."""
-    from megalm.ops.attention import CAUSAL_SPLIT_MIN  # here: the formulas import no torch until they need it
     h, kv, e, t = d.h, d.kv, d.e, d.t
     grouped = d.groups > 1
     split = not d.bert and d.attention_dropout == 0 and d.s >= CAUSAL_SPLIT_MIN and d.s % 2 == 0

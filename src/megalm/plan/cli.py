@@ -40,6 +40,7 @@ PROG = "megalm.plan"
 def compose(overrides: List[str], gpus: Optional[int] = None):
     """The Config `python -m megalm.train` would run with these overrides, validated for its world size
     (`gpus` ranks when given, parallel.dp then filling what tp x pp leaves)."""
+    # lazy: Hydra, the families' schemas and validation's imports, off `--help` and the argument errors
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
     from megalm.config import conf_dir

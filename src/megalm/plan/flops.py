@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Tuple
 
+from megalm.models import flops_per_token
 from megalm.plan.shapes import local_tokens
 
 
@@ -17,7 +18,6 @@ def layer_and_head_flops_per_token(model_cfg) -> Tuple[float, float]:
     depth 0: the difference is the layers' share, which is the same for every layer; what is left at
     depth 0 is the head (and, for BERT, its MLM transform and pooler), all of it on the last stage.
     """
-    from megalm.models import flops_per_token
     total = flops_per_token(model_cfg)
     outside = flops_per_token(dataclasses.replace(model_cfg, num_layers=0))
     return (total - outside) / model_cfg.num_layers, outside

@@ -8,7 +8,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, Tuple
 
+from megalm.distributed.mesh import ParallelDims, build_mesh
 from megalm.errors import ConfigError
+from megalm.models import build_model, family_of
+from megalm.parallel import build_data_parallel, parallelize
 from megalm.parallel.stages import virtual_stages_of
 from megalm.plan.shapes import check_modelled
 
@@ -61,7 +64,6 @@ _CACHE: Dict[tuple, RankLayout] = {}
 
 
 def _check(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int, cp_rank: int = 0):
-    from megalm.distributed.mesh import ParallelDims
     m, p, d = cfg.model, cfg.parallel, cfg.data
     check_modelled(m, "megalm.plan's collective formulas")
     if d.source == "sft" and d.packing:
@@ -95,9 +97,6 @@ def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0, c
 
 def _read_layout(cfg, dims, rank: int) -> RankLayout:
     import torch.distributed as dist
-    from megalm.distributed.mesh import build_mesh
-    from megalm.models import build_model, family_of
-    from megalm.parallel import build_data_parallel, parallelize
     p = cfg.parallel
     world = dims.world_size
     if world > 1:

@@ -85,7 +85,7 @@ def expert_params_per_layer(cfg) -> int:
 
 def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
     """Parameters of tp rank 0 on pipeline rank `pp_rank`, from `_parts` (no model built per layout)."""
-    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    # lazy: the formula modules import torch (through megalm.parallel), kept off the command line's start-up path
     from megalm.plan.schedules import stage_layers, stage_owner
     dims = _dims(cfg, world)
     first, per_layer, last, twice = _parts(cfg, dims.tp)
@@ -101,7 +101,7 @@ def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
 
 
 def _state_estimate(cfg, world: int, pp_rank: int) -> float:
-    from megalm.training.memory import expected_bytes_per_param
+    from megalm.training.memory import expected_bytes_per_param  # lazy: torch, as the formula modules
     dims = _dims(cfg, world)
     return expected_bytes_per_param(zero_stage=cfg.parallel.zero_stage, dp=dims.dp * dims.cp) * \
         stage_params_estimate(cfg, world, pp_rank)
@@ -109,7 +109,7 @@ def _state_estimate(cfg, world: int, pp_rank: int) -> float:
 
 def _best_option(cfg, gpus: int, candidate) -> Tuple[str, Optional[Dict[str, Any]], str]:
     """(name, the fastest fitting recompute x ZeRO option of one candidate layout or None, why none)."""
-    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    # lazy: the formula modules import torch (through megalm.parallel), kept off the command line's start-up path
     from megalm.plan.activations import stage_activation_bytes
     from megalm.plan.collectives import step_collectives
     from megalm.plan.step_time import estimate_step
@@ -173,7 +173,7 @@ def search(cfg, gpus: int, top: int = 10, jobs: int = 1) -> Dict[str, Any]:
     the device are estimated and the fastest is kept. A layout the run itself would refuse is dropped with
     its error, one where no option fits with what the leanest option needs. `jobs` processes share the work (the layouts of one tp, pp
     schedule and virtual stages go to one process, which reads their meta-device layout once)."""
-    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
+    # lazy: the formula modules import torch (through megalm.parallel), kept off the command line's start-up path
     from megalm.plan.step_time import estimate_requirements
     if not cfg.cluster.memory_per_device_gb:
         raise ConfigError(f"--search needs the devices' memory: cluster={cfg.cluster.name} has no "

@@ -12,7 +12,7 @@ GB = 1e9
 
 
 def _dims(cfg, world: int):
-    from megalm.distributed.mesh import ParallelDims
+    from megalm.distributed.mesh import ParallelDims  # lazy: torch, off the command line's start-up path
     return ParallelDims.from_config(cfg.parallel, world)
 
 
@@ -23,6 +23,7 @@ def _rank_of(stage: int, tp_rank: int, dims) -> int:
 
 def rank_params(cfg, world: int, rank: int) -> int:
     """Parameters rank `rank` of the layout holds (a tied weight once), from the meta-device model."""
+    # lazy: torch, off the command line's start-up path (the meta model over a fake process group)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from megalm.distributed.mesh import build_mesh
@@ -43,8 +44,8 @@ def _fit(total: float, cluster) -> Optional[bool]:
 
 
 def plan(cfg, world: int) -> Dict[str, Any]:
+    # lazy: the formula modules import torch (through megalm.parallel), kept off the command line's start-up path
     from megalm.models import flops_per_token
-    # the formula modules import torch (through megalm.parallel): kept off the command line's start-up path
     from megalm.plan.activations import stage_activation_bytes
     from megalm.plan.collectives import step_collectives
     from megalm.plan.layout import rank_layout

@@ -7,8 +7,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megalm.distributed.mesh import ParallelDims
 from megalm.errors import ConfigError
 from megalm.models.registry import family_of
+from megalm.ops.attention import attention_backend
 
 FP32 = 4
 INT64 = 8
@@ -103,7 +105,6 @@ def check_modelled(m, what: str) -> None:
 
 
 def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
-    from megalm.distributed.mesh import ParallelDims
     m, p, tr = cfg.model, cfg.parallel, cfg.trainer
     kind = family_of(m.arch).kind
     if kind not in ("decoder", "encoder"):
@@ -143,6 +144,5 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
 def _unfused(m, tr, device: str) -> bool:
     """Whether the run's attention is the unfused one (model.attention_backend, `auto` resolved as the layers do)."""
     import torch
-    from megalm.ops.attention import attention_backend
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(tr.precision, torch.float32)
     return attention_backend(getattr(m, "attention_backend", "sdpa"), device, dtype, tr.compile != "none") == "unfused"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Dict, List, Optional, Tuple
 
+from megalm.models import flops_per_token
 from megalm.plan.collective_time import expert_ranks, group_ranks, group_seconds, link, replica_ranks
 from megalm.plan.flops import attention_core_flops_per_token, stage_work
 from megalm.plan.group_collectives import boundary_messages, ring_block_bytes
@@ -196,7 +197,6 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     tail = max(sum(v.values()) for v in after.values())
     step = sim.step_seconds + tail
     tokens = t.global_batch_size * cfg.model.seq_length
-    from megalm.models import flops_per_token
     model_flops = flops_per_token(cfg.model) * tokens
     return {"step_seconds": step, "pipeline_seconds": sim.step_seconds,
             "tokens_per_second": tokens / step, "mfu": model_flops / (step * dims.world_size * peak),

@@ -8,7 +8,11 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Dict, Optional, Tuple
 
+from megalm.family import Part
+from megalm.models import build_model
+from megalm.models.registry import family_of
 from megalm.plan.shapes import FP32, encoder, local_tokens
+from megalm.training.precision import autocast
 
 
 # A stage's FLOPs time its matmuls and attention; the rest of a step (norms, residual adds, the
@@ -152,10 +156,6 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     False runs the same on real CPU tensors (the tests' reference). Cached per model, micro-batch and
     precision."""
     import torch
-    from megalm.models import build_model
-    from megalm.family import Part
-    from megalm.models.registry import family_of
-    from megalm.training.precision import autocast
     m, t = cfg.model, cfg.trainer
     key = repr((m, t.micro_batch_size, t.precision, fake))
     if key in _COUNTED:

@@ -27,27 +27,29 @@ from pathlib import Path
 from typing import List, Optional
 
 from megalm.errors import ConfigError, cli_errors
-from megalm.models.registry import family_of
 
 PROG = "megalm.serve"
 log = logging.getLogger("megalm.serve")
 RANK_WAIT_S = 365 * 24 * 3600.0  # the other ranks wait for rank 0's next forward as long as the server runs
 
 
-def _check(cfg, run_dir, layout: bool = False) -> None:
-    """A run this server can generate with: a decoder language model (at any layout), or an encoder-decoder
-    one (in one process); its family's kind decides, so a new decoder family is served as GPT is."""
+def _check(cfg, run_dir, layout: bool = False) -> str:
+    """The kind of a run this server can generate with: a decoder language model (at any layout), or an
+    encoder-decoder one (in one process); its family's kind decides, so a new decoder family is served as GPT
+    is."""
+    from megalm.models.registry import family_of  # lazy: Hydra and the families' schemas, off `--help`
     kind = family_of(cfg.model.arch).kind
     if kind == "encoder-decoder":
         if layout:
             raise ConfigError(f"{run_dir} is an encoder-decoder model (model.arch={cfg.model.arch}), which "
                               "megalm.serve runs on one process: drop --tp / --pp")
-        return
+        return kind
     head = getattr(cfg.model, "fine_tuning_head", False)
     if kind != "decoder" or head:
         raise ConfigError(f"megalm.serve generates text with decoder language models and encoder-decoder ones; "
                           f"{run_dir} is model.arch={cfg.model.arch}, "
                           + ("a decoder with a fine-tuning head" if kind == "decoder" else f"an {kind}"))
+    return kind
 
 
 def _check_address(host: str, port: int) -> None:
@@ -69,15 +71,15 @@ def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int 
           name: Optional[str] = None, tp: int = 1, pp: int = 1):
     """(FastAPI app, Engine) for the run, on this process (tp x pp = 1) or as rank 0 of a layout whose
     process group is up; on the other ranks of a layout, follow rank 0 and return None."""
-    from megalm.serve.engine import Engine, Ranks
+    from megalm.serve.engine import Engine, Ranks, Seq2SeqEngine  # lazy: torch and the models, off `--help`
     if slots < 1 or max_queue < 1:
         raise ConfigError(f"--slots {slots} and --max-queue {max_queue} must be at least 1")
     ranks = None
     if tp * pp > 1:
         import torch.distributed as dist
-        from megalm.evaluate.layout import load_at_layout
+        from megalm.evaluate.layout import load_at_layout  # lazy: as the engine
         cfg, model, tok, state = load_at_layout(Path(run_dir), tp, pp, device)
-        _check(cfg, run_dir, layout=True)
+        kind = _check(cfg, run_dir, layout=True)
         ranks = Ranks(next(model.parameters()).device)
         if dist.get_rank() != 0:
             # these ranks stop when rank 0 tells them; the signals are rank 0's to act on
@@ -86,12 +88,11 @@ def build(run_dir: Path, *, device: str = "cpu", slots: int = 8, max_queue: int 
             ranks.follow(model, slots, cfg.model.seq_length)
             return None
     else:
-        from megalm.generate import load_for_generation
+        from megalm.generate import load_for_generation  # lazy: as the engine
         cfg, model, tok, state = load_for_generation(Path(run_dir), device)
-        _check(cfg, run_dir)
-    from megalm.serve.api import Server, create_app
-    if family_of(cfg.model.arch).kind == "encoder-decoder":
-        from megalm.serve.engine import Seq2SeqEngine
+        kind = _check(cfg, run_dir)
+    from megalm.serve.api import Server, create_app  # lazy: fastapi, an extra (megalm[serve])
+    if kind == "encoder-decoder":
         engine: Engine = Seq2SeqEngine(model, tok, slots=slots, max_queue=max_queue, seed=seed)
     else:
         engine = Engine(model, tok, seq_length=cfg.model.seq_length, slots=slots, max_queue=max_queue, seed=seed,
@@ -145,8 +146,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                        max_queue=args.max_queue, seed=args.seed, name=args.name, tp=args.tp, pp=args.pp)
         if args.tp * args.pp == 1:
             return serve(args.run_dir, args.host, args.port, **options)
-        from megalm.evaluate.layout import check_layout, on_ranks
-        from megalm.models.registry import load_run_config
+        from megalm.evaluate.layout import check_layout, on_ranks  # lazy: torch, only for a layout
+        from megalm.models.registry import load_run_config  # lazy: as _check's
         _check(load_run_config(args.run_dir), args.run_dir, layout=True)  # before the layout's own checks
         check_layout(args.run_dir, args.tp, args.pp)
         if "RANK" not in os.environ:  # the ranks start here: pass SIGTERM on; Ctrl-C reaches them itself

@@ -33,6 +33,8 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
 
+from megalm.data.tasks.sft import template_parts
+from megalm.errors import ConfigError
 from megalm.serve.engine import Engine, QueueFull, Request, Sampling, Seq2SeqEngine
 
 try:
@@ -41,7 +43,6 @@ try:
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
     from pydantic import BaseModel, ConfigDict, Field, field_validator
 except ImportError as e:  # the optional extra
-    from megalm.errors import ConfigError
     raise ConfigError(f"megalm.serve needs FastAPI and uvicorn ({e}): pip install 'megalm[serve]'") from None
 
 
@@ -324,7 +325,6 @@ class Server:
                 self.engine.cancel(req)
 
     def _chat_prompt(self, messages: List[Message]) -> List[int]:
-        from megalm.data.tasks.sft import template_parts
         text = ""
         for m in messages:
             before, after = template_parts(self.chat_template, m.role)
@@ -333,7 +333,6 @@ class Server:
         return [self.tok.eod] + self.tok.encode(text + before)
 
     async def chat(self, body: ChatRequest):
-        from megalm.data.tasks.sft import template_parts
         self._refuse_for_seq2seq("chat continues a conversation written with the run's chat template", "messages")
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")

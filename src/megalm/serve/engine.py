@@ -32,6 +32,8 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from megalm.data.samples.t5 import t5_specials
+from megalm.generate import sample_next
 from megalm.models.layers import Encoded
 
 log = logging.getLogger("megalm.serve")
@@ -313,7 +315,6 @@ class Engine:
 
     def _take(self, r: Request, logits: torch.Tensor) -> None:
         """Sample r's next token from its logits (V,), report it, and finish r when it is done."""
-        from megalm.generate import sample_next
         sp = r.sampling
         allowed = logits if self.tokens >= len(logits) else logits.clone().index_fill_(
             0, torch.arange(self.tokens, len(logits), device=logits.device), float("-inf"))
@@ -353,7 +354,6 @@ class Seq2SeqEngine(Engine):
     position and over its own source. The output ends at [EOS]."""
 
     def __init__(self, model, tokenizer, *, slots: int = 8, max_queue: int = 64, seed: int = 0):
-        from megalm.data.samples.t5 import t5_specials
         cfg, p = model.cfg, next(model.parameters())
         self.bos = t5_specials(tokenizer).bos
         self.source_length = cfg.seq_length
@@ -367,7 +367,6 @@ class Seq2SeqEngine(Engine):
 
     @staticmethod
     def end_token(tokenizer) -> int:
-        from megalm.data.samples.t5 import t5_specials
         return t5_specials(tokenizer).eos
 
     def room(self, prompt_tokens: int) -> int:

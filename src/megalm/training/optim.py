@@ -10,6 +10,7 @@ from torch import nn
 
 from megalm.config import OptimizerConfig
 from megalm.errors import ConfigError
+from megalm.parallel.data import ZeroOptimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
@@ -26,7 +27,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module, data_parallel=None):
     """The optimizer of `model`; under ZeRO (data_parallel sharded) one over this rank's shards."""
     if data_parallel is not None and data_parallel.sharded:
-        from megalm.parallel.data import ZeroOptimizer
         decay, no_decay = [], []
         for s in data_parallel.shards:  # a shard is 1-D: decay follows the parameter it belongs to
             (decay if s.param.ndim >= 2 else no_decay).append(s.tensor)
