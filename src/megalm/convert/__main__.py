@@ -5,28 +5,33 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import textwrap
 from pathlib import Path
 from typing import List, Optional
 
-from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, import_from_hf
+from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, family_mappings, import_from_hf
 from megalm.errors import cli_errors
 
 PROG = "megalm.convert"
 
-EPILOG = """examples:
+EXAMPLES = """examples:
   python -m megalm.convert export outputs/2025-01-01/12-00-00 hf/my-model
   python -m megalm.convert import hf/TinyLlama ckpt/tinyllama --seq-length 2048
-  python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true
+  python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true"""
 
-GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama
-style (rope, rmsnorm, swiglu, optional GQA) to LlamaForCausalLM, a Llama-style mixture of experts
-(softmax routing, no capacity limit) to MixtralForCausalLM, post-LN BERT to BertForPreTraining,
-T5 (relative buckets, rmsnorm, no biases, model.head_bias=false) to T5ForConditionalGeneration;
-anything else is refused, naming the field."""
+
+def epilog() -> str:
+    """The examples, and the Hugging Face classes each family's mapping reads and writes (a family added in
+    its own folder shows up here without an edit)."""
+    lines = [textwrap.fill(f"{name}: " + getattr(mapping, "SUMMARY", ", ".join(sorted(set(mapping.ARCHS.values())))),
+                           width=100, initial_indent="  ", subsequent_indent="    ")
+             for name, mapping in sorted(family_mappings().items())]
+    return (EXAMPLES + "\n\nmodel families and the Hugging Face classes they map to:\n" + "\n".join(lines) +
+            "\n\nA model a class cannot compute exactly (an option it lacks) is refused, naming the field.")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m megalm.convert", epilog=EPILOG,
+    ap = argparse.ArgumentParser(prog="python -m megalm.convert", epilog=epilog(),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
                                  description="Convert between megalm checkpoints and Hugging Face folders.")
     sub = ap.add_subparsers(dest="command", required=True, metavar="{export,import}")

@@ -4,6 +4,7 @@ The weight mapping is the model family's (`Family.hf` names its module: models/g
 GPT-2 and Llama, models/bert/hf.py for BERT). A mapping module provides
 
     ARCHS                      Hugging Face model_type -> the class it reads and writes
+    SUMMARY                    (optional) a line saying which configs map to which class, for --help
     export_arch(cfg)           the model_type that computes exactly what cfg does, else an error
     hf_config(cfg, arch, dtype, eod)        its config.json
     model_config_from_hf(hf, name, seq_length)   the family's config of a config.json, else an error
@@ -84,14 +85,14 @@ def _mapping(arch: str):
     return importlib.import_module(module)
 
 
+def family_mappings() -> Dict[str, Any]:
+    """Family name -> its Hugging Face mapping module, for every family that has one."""
+    return {name: _mapping(name) for name in family_names() if family_of(name).hf is not None}
+
+
 def _mappings() -> Dict[str, Any]:
     """Hugging Face model_type -> the mapping module that reads it, over every family."""
-    out: Dict[str, Any] = {}
-    for name in family_names():
-        if family_of(name).hf is not None:
-            module = _mapping(name)
-            out.update({kind: module for kind in module.ARCHS})
-    return out
+    return {kind: module for module in family_mappings().values() for kind in module.ARCHS}
 
 
 def export_arch(cfg: ModelConfig) -> str:

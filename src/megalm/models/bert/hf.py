@@ -19,6 +19,8 @@ from megalm.models.bert.config import BertConfig
 
 ARCHS = {"bert": "BertForPreTraining"}
 """Hugging Face model_type -> the class this mapping reads and writes."""
+SUMMARY = "post-LN BERT maps to BertForPreTraining"
+"""What configs map to which class, for `python -m megalm.convert --help`."""
 IGNORED = re.compile(r"\.(position_ids|token_type_ids)$")  # buffers some checkpoints store
 ACTIVATIONS = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu"}
 

@@ -54,6 +54,10 @@ log = logging.getLogger("megalm.convert")
 
 ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}
 """Hugging Face model_type -> the class this mapping reads and writes."""
+SUMMARY = ("GPT-2 style models (learned positions, layernorm, gelu, biases) map to GPT2LMHeadModel, Llama style (rope, "
+           "rmsnorm, swiglu, optional GQA) to LlamaForCausalLM, a Llama-style mixture of experts (softmax routing, no "
+           "capacity limit) to MixtralForCausalLM")
+"""What configs map to which class, for `python -m megalm.convert --help`."""
 GATE_UP = rows(lambda c: [c.ffn_size, c.ffn_size])
 
 

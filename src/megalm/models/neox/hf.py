@@ -34,6 +34,8 @@ from megalm.models.neox.config import NeoXConfig
 
 ARCHS = {"gpt_neox": "GPTNeoXForCausalLM"}
 """Hugging Face model_type -> the class this mapping reads and writes."""
+SUMMARY = "GPT-NeoX (Pythia: partial rotary, parallel or sequential residual, untied head) maps to GPTNeoXForCausalLM"
+"""What configs map to which class, for `python -m megalm.convert --help`."""
 
 ACT_FROM_HF = {"gelu": "gelu_exact", "gelu_new": "gelu", "gelu_pytorch_tanh": "gelu", "relu": "relu"}
 """config.json hidden_act -> megalm's model.activation (HF's "gelu" is the erf form, "gelu_new" the tanh one)."""

@@ -29,6 +29,8 @@ from megalm.models.t5.config import T5Config
 
 ARCHS = {"t5": "T5ForConditionalGeneration"}
 """Hugging Face model_type -> the class this mapping reads and writes."""
+SUMMARY = "T5 (relative buckets, rmsnorm, no biases, model.head_bias=false) maps to T5ForConditionalGeneration"
+"""What configs map to which class, for `python -m megalm.convert --help`."""
 IGNORED = re.compile(r"$^")  # T5 checkpoints store no buffers
 FEED_FORWARD = {"relu": "relu", "gelu": "gelu_exact", "gated-silu": "swiglu"}
 
