@@ -284,7 +284,8 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ConfigError, match="recompute=some"):
         layer_activation_bytes(cfg, world, recompute="some")
     import dataclasses
-    with pytest.raises(ConfigError, match="gpt and bert families"):
+    # the family's kind picks the formulas (decoder or encoder layers): an encoder-decoder is refused, named
+    with pytest.raises(ConfigError, match="decoder and encoder layers; model.arch=t5 is an encoder-decoder"):
         layer_activation_bytes(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, arch="t5")), world)
     bert, world = _config([*BERT])
     classifier = dataclasses.replace(bert, model=dataclasses.replace(bert.model, num_labels=2))
