@@ -30,6 +30,7 @@ BERT = ["model=bert_tiny", "model.num_layers=4"]
 LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.activation=swiglu",
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2"]
 MOE = ["model=moe_tiny", "model.num_layers=4", "model.moe_router_topk=4"]
+NEOX = ["model=neox_tiny", "model.num_layers=4"]
 # Odd widths and a bucket per parameter: buckets of odd length, padded to a multiple of dp.
 ODD = ["model.hidden_size=33", "model.num_attention_heads=3", "parallel.bucket_size_mb=0.0001"]
 TWO_RANKS = [
@@ -86,6 +87,10 @@ TWO_RANKS = [
      "parallel.zero_stage=1"],
     [*MOE, "parallel=tp2", "parallel.expert_tp=2", "parallel.sequence_parallel=true", "trainer.precision=bf16"],
     [*MOE, "parallel=dp2", "parallel.ep=2", "parallel.zero_stage=3"],
+    # A decoder family planned by its kind alone (GPT-NeoX: attention and MLP in parallel off one residual, partial
+    # rotary): the same column -> row pairs a layer, so the decoder formulas count its collectives and state.
+    [*NEOX, "parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
+    [*NEOX, "parallel=pp2", "parallel.pipeline_schedule=1f1b"],
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
