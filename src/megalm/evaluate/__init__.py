@@ -42,13 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from megalm.data.formats.jsonl import not_utf8
 from megalm.distributed.device import resolve_device
 from megalm.errors import ConfigError, DataError, MissingFileError, cli_errors, not_a_file
-from megalm.evaluate import generation
-from megalm.evaluate.classify import classify
-from megalm.evaluate.layout import check_layout, is_rank0, load_at_layout, on_ranks
 from megalm.evaluate.likelihood import NORMALIZE, Scorer, choice, cloze, cloze_rows, perplexity, windows
-from megalm.evaluate.squad import squad
-from megalm.generate import load_for_generation, scoring_task
-from megalm.models.registry import family_of, load_run_config
 
 PROG = "megalm.evaluate"
 TASKS = ("perplexity", "cloze", "choice", "code", "generate", "classify", "squad")
@@ -64,6 +58,9 @@ def evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: in
     `options`: _evaluate's keywords."""
     if tp < 1 or pp < 1 or dp < 1:
         raise ConfigError(f"--tp {tp}, --pp {pp} and --dp {dp} must be at least 1")
+    # lazy: the model stack (Hydra's schemas, the families, the parallel code), off `--help` and bad options
+    from megalm.evaluate.layout import check_layout, on_ranks
+    from megalm.models.registry import load_run_config
     if tp * pp * dp > 1 and _kind(Path(run_dir)) == "encoder-decoder":
         raise ConfigError(f"{run_dir} is an encoder-decoder run (model.arch={load_run_config(run_dir).model.arch}): "
                           f"megalm.evaluate runs it on one process; drop --tp {tp} --pp {pp} --dp {dp}")
@@ -79,6 +76,13 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
              ks: Sequence[int] = (1,), temperature: float = 0.0, top_p: float = 1.0, max_new_tokens: int = 128,
              stop: Sequence[str] = ("\n",), timeout_s: float = 10.0, seed: int = 0, skip_long: bool = False,
              n_best: int = 20, max_answer_length: int = 30, null_threshold: float = 0.0, write: bool = True) -> Dict[str, Any]:
+    # lazy: the model stack (Hydra's schemas, the families, the parallel code), off `--help` and bad options
+    from megalm.evaluate import generation
+    from megalm.evaluate.classify import classify
+    from megalm.evaluate.layout import is_rank0, load_at_layout
+    from megalm.evaluate.squad import squad
+    from megalm.generate import load_for_generation, scoring_task
+    from megalm.models.registry import family_of
     if task not in TASKS:
         raise ConfigError(f"task {task!r} is not one of {', '.join(TASKS)}")
     if batch_size < 1 or max_new_tokens < 1 or timeout_s <= 0:
@@ -146,6 +150,7 @@ def _evaluate(run_dir: Path, task: str, data, *, tp: int = 1, pp: int = 1, dp: i
 
 def _kind(run_dir: Path) -> str:
     """The kind of the run's model family (megalm.family.KINDS)."""
+    from megalm.models.registry import family_of, load_run_config  # lazy: as evaluate's
     return family_of(load_run_config(run_dir).model.arch).kind
 
 

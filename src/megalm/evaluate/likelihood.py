@@ -11,7 +11,6 @@ import torch
 
 from megalm.data.formats.jsonl import json_lines
 from megalm.errors import ConfigError, DataError
-from megalm.evaluate.layout import across_replicas
 
 NORMALIZE = ("none", "tokens", "chars")
 MAX_LOSS_FOR_PPL = 20.0  # Megatron's cap: exp(min(20, loss))
@@ -36,6 +35,7 @@ class Scorer:
         """rows: (ids, k): score ids[t] given ids[:t] for t in [k, len(ids)); 1 <= k < len(ids) and
         len(ids) - 1 <= seq_length (one forward of ids[:-1]). Data-parallel replicas of a model at a
         layout score a share each (megalm.evaluate.layout.across_replicas)."""
+        from megalm.evaluate.layout import across_replicas  # lazy: the model stack, off evaluate's `--help`
         return across_replicas(self.model, self._score, rows)
 
     @torch.no_grad()
