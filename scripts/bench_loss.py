@@ -110,6 +110,10 @@ def run_once(path, x, w, labels, crit, dtype, chunk, meter):
     return loss.item(), peak, sum(saved.seen.values()), seconds, cpu
 
 
+def _ratio(value, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 128256])
@@ -157,14 +161,16 @@ def main() -> None:
             base = result[paths[0]]
             for path in paths[1:]:
                 f = result[path]
-                f["peak_ratio"], f["time_ratio"] = base["peak_mb"] / f["peak_mb"], f["seconds"] / base["seconds"]
-                f["cpu_ratio"] = f["cpu_s"] / base["cpu_s"]
+                # A tiny run can touch no new page (peak 0) or finish inside the clock's tick: no ratio then.
+                f["peak_ratio"] = base["peak_mb"] / f["peak_mb"] if f["peak_mb"] > 0 else None
+                f["time_ratio"] = f["seconds"] / base["seconds"] if base["seconds"] > 0 else None
+                f["cpu_ratio"] = f["cpu_s"] / base["cpu_s"] if base["cpu_s"] > 0 else None
                 f["loss_rel_diff"] = abs(f["loss"] - base["loss"]) / abs(base["loss"])
             for path in paths:
                 r_ = result[path]
                 rows.append(r_)
-                ratio = ((f"{r_['peak_ratio']:.1f}x lower", f"{r_['time_ratio']:.2f}", f"{r_['cpu_ratio']:.2f}")
-                         if path != paths[0] else ("", "", ""))
+                ratio = ((_ratio(r_["peak_ratio"], ".1f", "x lower"), _ratio(r_["time_ratio"], ".2f"),
+                          _ratio(r_["cpu_ratio"], ".2f")) if path != paths[0] else ("", "", ""))
                 lines.append(f"| {vocab} | {dtype} | {path} | {r_['peak_mb']:.0f} | {r_['saved_mb']:.1f} | "
                              f"{r_['seconds']:.2f} | {r_['cpu_s']:.2f} | {' | '.join(ratio)} |")
             print(f"vocab {vocab} {dtype}: " + ", ".join(
