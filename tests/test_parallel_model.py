@@ -236,11 +236,13 @@ def test_tp_communication_matches_the_analytic_volume(sequence_parallel):
         # before column-parallel and 2 reduce-scatters after row-parallel, the head's all-gather.
         assert fc == {"all_reduce": 1 + 2, "all_gather": 2 * L + 1, "reduce_scatter": 2 * L}
         assert fb == {"all_reduce": act + sum(ce), "all_gather": shard * (2 * L + 1), "reduce_scatter": act * 2 * L}
-        # backward mirrors it; the embedding's scatter gathers back; sequence-parallel weights
-        # (2 LayerNorms with bias and 2 row-parallel biases per layer, the final norm) are summed.
+        # backward mirrors it; the embedding's scatter gathers back; each column-parallel linear (qkv, fc1,
+        # the head) gathers the input shard it kept again (Megatron's sequence parallelism); sequence-parallel
+        # weights (2 LayerNorms with bias and 2 row-parallel biases per layer, the final norm) are summed.
         sp_params = (L * (2 * 2 * h + 2 * h) + 2 * h) * 4
-        assert bc == {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L + 1, "all_reduce": 2}
-        assert bb == {"all_gather": shard * (2 * L + 1), "reduce_scatter": act * (2 * L + 1),
+        regathered = 2 * L + 1
+        assert bc == {"all_gather": 2 * L + 1 + regathered, "reduce_scatter": 2 * L + 1, "all_reduce": 2}
+        assert bb == {"all_gather": shard * (2 * L + 1 + regathered), "reduce_scatter": act * (2 * L + 1),
                       "all_reduce": sp_params + 4}
 
 

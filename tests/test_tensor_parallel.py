@@ -137,6 +137,34 @@ def _mlp(rank, world, g, sp, out, tag):
     out[f"{tag}_bias_marked"] = getattr(row.bias, "sequence_parallel", False)
 
 
+def _gathered_linear_checks(rank, world, g, out):
+    """Under sequence parallelism a column-parallel linear keeps its input's shard, in the compute dtype, and
+    gathers it again in backward (Korthikanti et al. sec. 4.2.2): the same numbers, bit for bit, as gathering
+    first and letting autograd keep the gathered input, which is what it saves instead."""
+    w, b = _randn(FFN, H, seed=20), _randn(FFN, seed=21)
+    x, gy = _randn(B, T, H, seed=22), _randn(B, T, FFN // world, seed=23 + rank)
+    for precision in ("fp32", "bf16"):
+        runs = {}
+        for path in ("shard_kept", "gather_first"):
+            col = _sharded(ColumnParallelLinear(H, FFN, bias=True, group=g, sequence_parallel=True, device="meta"),
+                           weight=w, bias=b)
+            params = {p.untyped_storage().data_ptr() for p in col.parameters()}
+            saved = []
+            pack = lambda t: saved.append(0 if t.untyped_storage().data_ptr() in params  # noqa: E731
+                                          else t.untyped_storage().nbytes()) or t
+            xl = _seq(x, rank, world).clone().requires_grad_()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), count_comm() as fwd, \
+                    torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                y = col(xl) if path == "shard_kept" else F.linear(gather_seq(xl, g, 1), col.weight, col.bias)
+            with count_comm() as bwd:
+                y.backward(gy.to(y.dtype))
+            runs[path] = (y.detach(), xl.grad, col.weight.grad, col.bias.grad, sum(saved), fwd.events, bwd.events)
+        new, old = runs["shard_kept"], runs["gather_first"]
+        out[f"gl_{precision}_bitwise"] = all(torch.equal(a, c) for a, c in zip(new[:4], old[:4]))
+        out[f"gl_{precision}_saved"] = (new[4], old[4])
+        out[f"gl_{precision}_comm"] = (new[5], new[6])
+
+
 def _embedding_checks(rank, world, g, out):
     per = PADDED // world
     edges = [k * per + d for k in range(world + 1) for d in (-1, 0) if 0 <= k * per + d < VOCAB]
@@ -306,6 +334,7 @@ def _all_checks(rank, world):
     _linear_checks(rank, world, g, out)
     _mlp(rank, world, g, False, out, "mlp")
     _mlp(rank, world, g, True, out, "mlp_sp")
+    _gathered_linear_checks(rank, world, g, out)
     _embedding_checks(rank, world, g, out)
     _ce_checks(rank, world, g, out)
     _fused_ce_checks(rank, world, g, out)
@@ -333,7 +362,17 @@ def test_tensor_parallel_matches_serial(world):
         assert out["mlp_fwd"] == [("all_reduce", full)]
         assert out["mlp_bwd"] == [("all_reduce", full)]
         assert out["mlp_sp_fwd"] == [("all_gather", local), ("reduce_scatter", full)]
-        assert sorted(out["mlp_sp_bwd"]) == [("all_gather", local), ("reduce_scatter", full)]
+        # backward: fc2's all-gather, fc1's input gathered again (it kept its shard) and its reduce-scatter
+        assert sorted(out["mlp_sp_bwd"]) == [("all_gather", local), ("all_gather", local), ("reduce_scatter", full)]
+        # The sequence-parallel column linear keeps the shard: (B, T/tp, H) in the compute dtype (bf16: 2 bytes),
+        # where gathering first keeps the whole (B, T, H) and, under autocast, the linear's bf16 weight copy.
+        half, weight_copy = local // 2, FFN // world * H * 2
+        for precision, kept, whole in (("fp32", local, full), ("bf16", half, full // 2 + weight_copy)):
+            assert out[f"gl_{precision}_bitwise"], precision
+            assert out[f"gl_{precision}_saved"] == (kept, whole), precision
+            # forward gathers the (cast) shard; backward gathers it again and reduce-scatters the fp32 gradient
+            assert out[f"gl_{precision}_comm"] == ([("all_gather", kept)],
+                                                   [("all_gather", kept), ("reduce_scatter", full)]), precision
         assert out["mlp_sp_bias_marked"] and not out["mlp_bias_marked"]
         per = PADDED // world
         assert out["emb_range"] == (rank * per, (rank + 1) * per, (per, H))

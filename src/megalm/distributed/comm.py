@@ -290,6 +290,23 @@ def _own_chunk(x: Tensor, group, dim: int) -> Tensor:
     return x.chunk(group_size(group), dim=dim)[group_rank(group)].contiguous()
 
 
+def open_stats() -> Optional[CommStats]:
+    """The count_comm() record open now (None outside one, or inside a compiled graph): an autograd function keeps
+    it to count its backward's collectives there."""
+    return _open_stats()
+
+
+def all_gather_dim(x: Tensor, group, dim: int, stats: Optional[CommStats] = None) -> Tensor:
+    """Every rank's x concatenated along `dim` in rank order (no autograd): the building block of an autograd
+    function that gathers in its own forward or backward (counted in `stats`, else the open record)."""
+    return _all_gather(x, group, dim, stats)
+
+
+def reduce_scatter_dim(x: Tensor, group, dim: int, stats: Optional[CommStats] = None) -> Tensor:
+    """x summed over the group, this rank's chunk of `dim` kept (no autograd); see `all_gather_dim`."""
+    return _reduce_scatter(x, group, dim, stats)
+
+
 def all_reduce_max(x: Tensor, group) -> Tensor:
     """Element-wise max over the group, in place on x (no autograd); returns x."""
     if group_size(group) > 1:

@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from megalm.distributed.comm import (all_reduce_max, all_reduce_sum, copy_to_tp, gather_last_dim,
-                                     gather_seq, group_rank, group_size, reduce_from_tp,
-                                     reduce_scatter_seq)
+from megalm.distributed.comm import (all_gather_dim, all_reduce_max, all_reduce_sum, copy_to_tp, gather_last_dim,
+                                     gather_seq, group_rank, group_size, open_stats, reduce_from_tp,
+                                     reduce_scatter_dim, reduce_scatter_seq)
 from megalm.distributed.shards import TPShard
 from megalm.ops.embedding import lookup
 
@@ -47,6 +47,48 @@ class _ShardedModule(nn.Module):
                 for k, v in attrs.items():
                     setattr(p, k, v)
         return out
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """Sequence parallelism's entry to a column-parallel linear, keeping the shard (Korthikanti et al.,
+    arXiv:2205.05198, sec. 4.2.2, as Megatron-LM's linear with sequence parallelism does): y = gather(x) W^T + b
+    with x the (B, T/tp, in) sequence shard. Autograd would keep the gathered (B, T, in) input for the weight's
+    gradient; this keeps the shard and gathers it again in backward, so a linear keeps in/tp a token, not in.
+
+    Under autocast the shard is cast to the compute dtype before the gather, the cast autocast would make of the
+    gathered input (the same values, half the bytes on the wire and kept), and the weight is cast again in backward
+    rather than kept (its copy lives only in autocast's cache for the forward region). The gradients are computed
+    as autograd computes linear's (addmm / mm on the flattened tokens, the input's gradient brought back to the
+    input's dtype before it is reduce-scattered), so they are the same numbers, bit for bit."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, dim):
+        device = x.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.in_dtype, ctx.low = x.dtype, low
+        if low is not None and x.dtype != low:
+            x = x.to(low)
+        full = all_gather_dim(x, group, dim)  # (B, T/tp, in) → (B, T, in)
+        y = F.linear(full, weight, bias)  # (B, T, out/tp)
+        ctx.save_for_backward(x, weight, bias)
+        ctx.group, ctx.dim, ctx.stats = group, dim, open_stats()
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, bias = ctx.saved_tensors
+        full = all_gather_dim(x, ctx.group, ctx.dim, stats=ctx.stats)  # the shard gathered again
+        w = weight.to(ctx.low) if ctx.low is not None else weight  # autocast's cast of the weight, made again
+        g = grad.reshape(-1, grad.shape[-1])  # (B*T, out/tp)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_full = g.mm(w).view(full.shape).to(ctx.in_dtype)  # (B, T, in)
+            grad_x = reduce_scatter_dim(grad_full, ctx.group, ctx.dim, stats=ctx.stats)  # (B, T/tp, in)
+        if ctx.needs_input_grad[1]:
+            grad_w = g.t().mm(full.reshape(-1, full.shape[-1])).to(weight.dtype)  # (out/tp, in)
+        if bias is not None and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(bias.dtype)
+        return grad_x, grad_w, grad_b, None, None
 
 
 class ColumnParallelLinear(_ShardedModule):
@@ -88,6 +130,9 @@ class ColumnParallelLinear(_ShardedModule):
         """`fuse(x, weight)`, when given, replaces the matmul (and any output gather): a consumer that
         fuses the product into itself (the chunked loss, megalm.ops.fused_loss) gets the input after
         this layer's collective and this rank's weight shard, through the module's call (hooks fire)."""
+        if self.sequence_parallel and fuse is None and self.world > 1:
+            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group, 1)  # (B, T/tp, in) → (B, T, out/tp)
+            return self._gathered(y)
         if self.sequence_parallel:
             x = gather_seq(x, self.group, dim=1)  # (B, T/tp, in) → (B, T, in)
         else:
@@ -96,7 +141,10 @@ class ColumnParallelLinear(_ShardedModule):
             if self.bias is not None:
                 raise ValueError("a fused head + loss takes a head without a bias")
             return fuse(x, self.weight)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        return self._gathered(F.linear(x, self.weight, self.bias))  # (B, T, out/tp)
+
+    def _gathered(self, y: Tensor) -> Tensor:
+        """The output as this module returns it: this rank's (B, T, out/tp), or with gather_output the whole."""
         if not self.gather_output:
             return y
         y = gather_last_dim(y, self.group)  # (B, T, out) as [rank0 | rank1 | ...]

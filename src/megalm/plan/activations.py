@@ -35,8 +35,10 @@ from megalm.plan.shapes import FP32, INT64, _Shape, _shape
 #   model.attention_backend=unfused (or auto, compiled on CPU in bf16 / fp16) keeps the scores' softmax in
 #   fp32 and its probabilities in the compute dtype (`_unfused_core`; what eager autograd saves: inside a
 #   compiled graph AOT autograd's partitioner chooses what to keep, which is not modelled);
-# - sequence parallelism keeps the all-gathered (full-sequence) input of each column-parallel linear,
-#   where Megatron keeps the shard and gathers again in backward: 2h a token stay unsharded;
+# - sequence parallelism keeps the sequence shard of each column-parallel linear's input and gathers it again
+#   in backward, as Megatron does (megalm.parallel.tensor._GatheredLinear); under autocast the shard is cast
+#   before the gather, and that linear's weight copy is cast again in backward rather than saved
+#   (`_weight_copy_bytes`);
 # - training runs fp32 by default; with bf16 / fp16 autocast the residual stream, norms, the log-softmax
 #   and the statistics stay fp32, and each linear keeps a half-precision copy of its input and its weight;
 # - selective recomputation wraps the attention core (Parts.selective): with fused attention that saves
@@ -112,8 +114,9 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
     - norms: the two pre-norms (see `_norm`), / t under sequence parallelism; BERT's post-norms (norm1 after
       the attention's residual, norm2 after the MLP's) keep the same: an fp32 residual sum and its statistics;
     - linear_inputs: the inputs of qkv and fc1, h each in the compute dtype: the norm's output (a copy under
-      autocast), never sharded (tp: a view behind Megatron's f; sp: the all-gathered sequence); under
-      post-norm the qkv input is the layer's input (the previous norm2's output, or the embedding's);
+      autocast), whole under tp (a view behind Megatron's f), the sequence shard under sp (gathered again in
+      backward); under post-norm the qkv input is the layer's input (the previous norm2's output, or the
+      embedding's);
     - attention: `_attention_core`, or under context parallelism `ring_attention_bytes` (its chunk pairs'
       scores, the k and v it saw, the RoPE tables at its positions); key_mask: `_key_mask` (BERT); mlp:
       `_mlp`; dropout: `_hidden_dropout`;
@@ -131,10 +134,10 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
         ring_attention_bytes(d, mode == "selective")
     if d.experts:  # a mixture of experts in place of the MLP
         moe = moe_kept_bytes(d)
-        return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * d.h * d.e + _moe_input(d),
+        return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * d.h * d.e / d.seq + _moe_input(d),
                 "attention": attention, "key_mask": 0.0, "router": moe["router"], "mlp": moe["experts"],
                 "dropout": tokens * _hidden_dropout(d) / 2 + moe["dropout"]}
-    return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e, "attention": attention,
+    return {"norms": tokens * 2 * _norm(d), "linear_inputs": tokens * 2 * d.h * d.e / d.seq, "attention": attention,
             "key_mask": tokens * (_key_mask(d) if mode == "none" else 0.0), "mlp": tokens * _mlp(d),
             "dropout": tokens * _hidden_dropout(d)}
 
@@ -192,13 +195,14 @@ def logits_and_loss_bytes(cfg, world: int, device: Optional[str] = None) -> int:
 
 
 def head_bytes(cfg, world: int, device: Optional[str] = None) -> int:
-    """The last stage's final norm (`_norm`) and the head's input (h in the compute dtype, full sequence:
-    a view behind f under tp, gathered under sp), for one micro-batch; without the loss buffers.
+    """The last stage's final norm (`_norm`) and the head's input (h in the compute dtype: the whole sequence, a
+    view behind f, under tp; the sequence shard under sp, but whole when model.fused_loss gathers it into the
+    chunked loss), for one micro-batch; without the loss buffers.
     BERT's heads (`_bert_head`) in place of GPT's."""
     d = _shape(cfg, world, device)
     if d.bert:
         return round(_bert_head(d))
-    return round(d.s * d.b * (_norm(d) + d.h * d.e))
+    return round(d.s * d.b * (_norm(d) + d.h * d.e / (1 if d.fused_head else d.seq)))
 
 
 def _bert_head(d: _Shape) -> float:
@@ -208,7 +212,7 @@ def _bert_head(d: _Shape) -> float:
       output, a copy under autocast, h e), GELU's input (dense's output, h e) and the norm's input (GELU's
       output: h e on CPU, where autocast leaves layer_norm in bf16; CUDA's autocast runs it in fp32, a copy
       of h fp32) with its statistics;
-    - the tied output's input (the norm's output, or its copy, h e), whole sequence as GPT's head;
+    - the tied output's input (the norm's output, or its copy, h e), as GPT's head (the shard under sp);
     - with the binary head, per sequence: tanh's output (the pooled h, also the binary head's input) and,
       under autocast, the pooler's copy of token 0 (h); in fp32 the pooler's input is a view of a tensor
       already kept, except under sp, where it views the whole gathered (s, h) fp32 sequence and keeps it
@@ -216,7 +220,7 @@ def _bert_head(d: _Shape) -> float:
     Korthikanti et al. count the layers only; Megatron's BERT has the same heads."""
     tokens, seqs, h, e = d.s * d.b, d.b, d.h, d.e
     norm_in = e if d.autocast and d.cpu else FP32
-    kept = tokens * ((0 if d.post_norm else _norm(d)) + (2 * h * e + _norm_kept(d, norm_in)) / d.seq + h * e)
+    kept = tokens * ((0 if d.post_norm else _norm(d)) + (2 * h * e + _norm_kept(d, norm_in)) / d.seq + h * e / d.seq)
     if d.binary_head:
         kept += seqs * (h * e + (h * 2 if d.autocast else 0) + (d.s * h * FP32 if d.sp and not d.autocast else 0))
         kept += seqs * (2 * FP32 + INT64)
@@ -226,15 +230,21 @@ def _bert_head(d: _Shape) -> float:
 def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
     """Under autocast each linear keeps the half-precision copy of its weight it multiplied with: qkv, proj,
     fc1, fc2 of each layer that is not recomputed whole, and the head's on the last stage (/ t). Autocast
-    caches the copy for its context, so a rank holds one set however many micro-batches are in flight.
+    caches the copy for its context, so a rank holds one set however many micro-batches are in flight. Under
+    sequence parallelism qkv, fc1 and the head keep none: they cast their weight again in backward
+    (megalm.parallel.tensor._GatheredLinear). Not counted, as not saved: the copies autocast's cache holds
+    only while the forward's region lasts (the trainer's micro-batch forward, a pipeline's whole step) of the
+    layers recomputed whole and of those sequence-parallel linears.
     BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's.
     A mixture of experts has none in place of fc1's and fc2's: its router runs in fp32 with autocast off, and
     the experts' grouped_mm has no autocast rule (fp32 rows by fp32 weights)."""
     if not d.autocast:
         return 0
-    per_layer = d.h * (d.h + 2 * d.kv) + d.h * d.h + (0 if d.experts else d.h * d.f * (3 if d.swiglu else 2))
+    column = d.h * (d.h + 2 * d.kv) + (0 if d.experts else d.h * d.f * (2 if d.swiglu else 1))  # qkv, fc1
+    per_layer = d.h * d.h + (0 if d.experts else d.h * d.f) + (0 if d.sp else column)  # proj, fc2
     replicated = (d.h * d.h + (d.h * d.h + 2 * d.h if d.binary_head else 0)) * d.e if last and d.bert else 0
-    return (layers * per_layer + (d.vocab * d.h if last and d.lm_head else 0)) * d.e // d.t + replicated
+    head = d.vocab * d.h if last and d.lm_head and (d.fused_head or not d.sp) else 0
+    return (layers * per_layer + head) * d.e // d.t + replicated
 
 
 def _peak(actions, kept: List[int], freed_by_input: List[int]) -> Tuple[int, int]:

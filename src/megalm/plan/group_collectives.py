@@ -62,7 +62,9 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     in fp32 (label smoothing 0, GPT's loss).
 
     Sequence parallelism (Korthikanti et al., arXiv:2205.05198, sec. 4.2.2) turns each f into an
-    all-gather of the (b, s/tp, h) shard forward and a reduce-scatter of (b, s, h) backward, each g
+    all-gather of the (b, s/tp, h) shard forward (in the compute dtype: under autocast the shard is cast
+    before it) and a reduce-scatter of (b, s, h) backward, plus the same all-gather again in backward
+    (the linear keeps the shard, not the gathered input: megalm.parallel.tensor._GatheredLinear), each g
     into a reduce-scatter forward and an all-gather backward. The embedding's lookup is all-reduced
     and then split by sequence (learned positions are added to the whole sequence; the split's
     backward all-gathers), or with RoPE reduce-scattered straight into shards (its backward
@@ -123,7 +125,8 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
             _add(per_mb, "all_gather", 1, shard)  # backward of the sequence split
     n = pairs * layers
     if sp:
-        _add(per_mb, "all_gather", n + f_replayed, shard * (n + f_replayed))        # f forward
+        _add(per_mb, "all_gather", n + f_replayed, shard_low * (n + f_replayed))    # f forward
+        _add(per_mb, "all_gather", n, shard_low * n)                                # f backward: the input again
         _add(per_mb, "reduce_scatter", n + g_replayed, act_low * (n + g_replayed))  # g forward
         _add(per_mb, "reduce_scatter", n, act * n)                                  # f backward
         _add(per_mb, "all_gather", n, shard_low * n)                                # g backward
@@ -134,7 +137,9 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
             _add(per_mb, "all_gather", 2 * layers, shard * 2 * layers)
     if lay.last:
         if sp:
-            _add(per_mb, "all_gather", 1, shard)
+            # the head's f as a layer's; model.fused_loss gathers its input whole into the chunked loss, once
+            fused = getattr(mdl, "fused_loss", False)
+            _add(per_mb, "all_gather", 1 if fused else 2, shard if fused else 2 * shard_low)
             _add(per_mb, "reduce_scatter", 1, act)
             if encoder(mdl) and mdl.binary_head:
                 _add(per_mb, "all_gather", 1, shard)  # the pooler's gather of the sequence

@@ -71,6 +71,7 @@ class _Shape:
     relu: bool = False
     expert_tp: int = 1        # expert tensor parallelism (parallel.expert_tp): each expert split over tp
     unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
+    fused_head: bool = False  # model.fused_loss: the head's matmul inside the chunked loss (its input gathered whole)
 
     @property
     def seq(self) -> int:
@@ -137,7 +138,7 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   sigmoid=getattr(m, "moe_router_score_function", "softmax") == "sigmoid",
                   aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
                   capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
-                  expert_tp=p.expert_tp if dims.tp > 1 else 1,
+                  expert_tp=p.expert_tp if dims.tp > 1 else 1, fused_head=getattr(m, "fused_loss", False),
                   unfused=_unfused(m, tr, device))
 
 
