@@ -102,8 +102,9 @@ def analytic_bytes(layers, hidden, seq, batch, tp, sp, rope):
         return {"all_reduce": act * (4 * layers + 2)}
     shard = act // tp
     # forward: 2 all-gathers and 2 reduce-scatters per layer, the head's all-gather; backward the
-    # mirror image, and the embedding's split (or reduce-scatter) all-gathers back.
-    out = {"all_gather": 2 * shard * (2 * layers + 1), "reduce_scatter": act * (4 * layers + 1)}
+    # mirror image, each column-parallel linear's kept input shard gathered again, and the
+    # embedding's split (or reduce-scatter) all-gathers back.
+    out = {"all_gather": 3 * shard * (2 * layers + 1), "reduce_scatter": act * (4 * layers + 1)}
     if rope:  # the embedding reduce-scatters straight into sequence shards
         out["reduce_scatter"] += act
     else:  # positions are added after an all-reduce, then the sequence is split
