@@ -13,7 +13,7 @@ from layouts import BASE, GPT2, LLAMA, losses, run_layout, run_layouts
 from megalm.validation import validate
 
 
-def _build(world, zero_stage, bucket_mb, family=GPT2):
+def _build(world, zero_stage, bucket_mb, family=GPT2, param_dtype=None):
     import torch
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
@@ -25,7 +25,7 @@ def _build(world, zero_stage, bucket_mb, family=GPT2):
     layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, zero_stage, bucket_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, zero_stage, bucket_mb, param_dtype)
     opt = build_optimizer(cfg.optimizer, model, dp)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     batches = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=g) for _ in range(2)]
@@ -85,8 +85,10 @@ def _zero3_timeline(rank, world):
 
 def _dp2_measurements(rank, world):
     """Every measurement below on one set of ranks (starting processes costs more than these)."""
+    import torch
     return {"comm": {z: _comm_timeline(rank, world, z) for z in (0, 1, 2)},
             "state": {z: _state_bytes(rank, world, z) for z in (0, 1, 2, 3)},
+            "main_state": {z: _state_bytes(rank, world, z, torch.bfloat16) for z in (0, 1, 2, 3)},
             "zero3": _zero3_timeline(rank, world)}
 
 
@@ -139,9 +141,9 @@ def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_vol
     assert cost == pytest.approx(2 * (dp - 1) / dp * total)
 
 
-def _state_bytes(rank, world, zero_stage):
+def _state_bytes(rank, world, zero_stage, param_dtype=None):
     from megalm.training.memory import measured_model_state_bytes
-    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02)
+    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02, param_dtype=param_dtype)
     for x in batches:
         model(x[:, :-1], labels=x[:, 1:]).backward()
     dp.finish()
@@ -166,6 +168,21 @@ def test_model_state_memory_per_rank_matches_the_formula(dp2, zero_stage):
         assert got["optimizer"] == pytest.approx(8 * n / (world if zero_stage else 1), abs=8 * padding)
         assert got["grads"] == pytest.approx(4 * n / (world if zero_stage >= 2 else 1), abs=4 * padding)
         assert got["weights"] == pytest.approx(4 * n / (world if zero_stage == 3 else 1), abs=4 * padding)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_main_params_model_state_per_rank_is_megatrons(dp2, zero_stage):
+    """trainer.mixed_precision=main_params: bf16 weights (2 bytes), fp32 main gradients (4), fp32 main
+    parameters and Adam's moments (12): Megatron's 18 bytes a parameter at ZeRO-0 and 6 + 12/dp under
+    its distributed optimizer (ZeRO-1); ZeRO-2 shards the main gradients, ZeRO-3 the weights too."""
+    world = 2
+    for got, padding in (ranks["main_state"][zero_stage] for ranks in dp2):
+        n = got["params"]
+        assert got["weights"] == pytest.approx(2 * n / (world if zero_stage == 3 else 1), abs=2 * padding)
+        assert got["grads"] == pytest.approx(4 * n / (world if zero_stage >= 2 else 1), abs=4 * padding)
+        assert got["optimizer"] == pytest.approx(12 * n / (world if zero_stage else 1), abs=12 * padding)
+    if zero_stage == 1:
+        assert (got["weights"] + got["grads"] + got["optimizer"]) / n == pytest.approx(2 + 4 + 12 / world, rel=1e-3)
 
 
 def test_checkpoint_moves_between_zero_stages_and_dp_degrees(tmp_path):

@@ -178,7 +178,11 @@ class TrainerConfig:
     log_interval: int = 10
     """Write metrics every this many steps."""
     precision: str = "fp32"
-    """fp32 | bf16 | fp16 (autocast compute, fp32 master weights and gradients) | fp8 (Transformer Engine)."""
+    """fp32 | bf16 | fp16 (low-precision compute, by trainer.mixed_precision) | fp8 (Transformer Engine)."""
+    mixed_precision: str = "autocast"
+    """How bf16 / fp16 train (no effect in fp32): autocast (fp32 weights, gradients and optimizer; every op casts
+    the weights it uses) | main_params (Megatron's: weights held in bf16 / fp16, fp32 main parameters in the
+    optimizer, sharded under ZeRO, gradients accumulated into fp32 main-grad buffers)."""
     loss_scale: Optional[float] = None
     """fp16 only: a fixed loss scale; None = dynamic scaling."""
     initial_loss_scale: float = 4294967296.0

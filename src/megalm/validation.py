@@ -35,6 +35,7 @@ CHOICES = {
     "optimizer.decay": ("cosine", "linear", "constant"),
     "optimizer.implementation": ("fused", "foreach", "for_loop"),
     "trainer.precision": ("fp32", "bf16", "fp16", "fp8"),
+    "trainer.mixed_precision": ("autocast", "main_params"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.compile": ("none", "model", "blocks"),
     "trainer.cpu_allocator": ALLOCATORS,

@@ -147,14 +147,15 @@ def parallelize(model: nn.Module, family: Family, mesh, cfg: ParallelConfig, see
 
 
 def build_data_parallel(model: nn.Module, family: Family, mesh, layout: Layout, zero_stage: int,
-                        bucket_size_mb: float) -> Optional[DataParallel]:
+                        bucket_size_mb: float, param_dtype: Optional[torch.dtype] = None) -> Optional[DataParallel]:
     """The gradient synchroniser of a distributed run (ZeRO-3 gathers `family`'s units); None in a single
-    process."""
+    process, unless `param_dtype` asks for low-precision weights with fp32 main parameters (the buckets
+    hold the main gradients then, megalm.parallel.data)."""
     if mesh is None:
-        return None
+        return DataParallel(model, None, layout, 0, bucket_size_mb, param_dtype) if param_dtype is not None else None
     if zero_stage == 3:
-        return FullyShardedDataParallel(model, family.parts, mesh, layout, bucket_size_mb)
-    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb)
+        return FullyShardedDataParallel(model, family.parts, mesh, layout, bucket_size_mb, param_dtype)
+    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb, param_dtype)
 
 
 __all__ = ["Layout", "build_data_parallel", "materialize", "parallelize", "retie", "shared_names", "te_available"]

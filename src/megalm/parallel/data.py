@@ -20,6 +20,16 @@ micro-batch).
 - zero_stage 2: as 1, and the full gradient buffer of a bucket is freed once it is scattered, so
   between steps a rank holds only its 1/dp of the gradients.
 
+Main parameters (`param_dtype` bf16 / fp16: trainer.mixed_precision=main_params, Megatron's mixed
+precision, arXiv:1710.03740): the model's weights are held in that dtype (flat per-bucket buffers
+the parameters view) and the optimizer updates fp32 main parameters beside them: this rank's 1/dp
+of each bucket under ZeRO 1-3, the whole bucket under ZeRO-0 (and in a single process, which then
+has buckets too). The buckets' fp32 gradient buffers are the main gradients: every accumulation of
+a weight's gradient (each micro-batch, each schedule's weight pass) is added into its bucket at
+once and the low-precision gradient freed, so accumulation runs in fp32 and no op casts a weight.
+After the update the main parameters are cast into the weights, and ZeRO 1/2 all-gather them in
+the weights' dtype.
+
 Why not torch's DDP and ZeroRedundancyOptimizer: DDP must wrap the module a schedule calls, but a
 pipeline stage here is a view over a shared model and zero-bubble schedules split backward into
 input and weight passes, which DDP's reducer does not follow; ZeroRedundancyOptimizer assigns
@@ -37,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -69,7 +79,8 @@ class Bucket:
     shard_size: int  # size / dp
     grad: Optional[torch.Tensor] = None        # full flat gradient
     grad_shard: Optional[torch.Tensor] = None  # this rank's reduced chunk (zero >= 1)
-    param_buf: Optional[torch.Tensor] = None   # flat parameters the model's params view (zero >= 1)
+    param_buf: Optional[torch.Tensor] = None   # flat parameters the model's params view (zero >= 1, main params)
+    main: Optional[torch.Tensor] = None        # fp32 main parameters of this rank's chunk (main params)
     shards: List[Shard] = field(default_factory=list)
     ready: int = 0
     work: object = None
@@ -110,11 +121,17 @@ def capped_groups(params: List[nn.Parameter], cap: int, alone: Optional[nn.Param
 class DataParallel:
     """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
 
-    def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0):
-        self.model, self.zero_stage = model, zero_stage
-        dp = replica_mesh(mesh)  # dp, or dp x cp under context parallelism: every rank with the same weights
-        self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
-        self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
+    def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0,
+                 param_dtype: Optional[torch.dtype] = None):
+        """`mesh` None: a single process (main parameters only). `param_dtype`: hold the weights in this
+        dtype, with fp32 main parameters and main gradients (the module docstring); None: as they are."""
+        self.model, self.zero_stage, self.param_dtype = model, zero_stage, param_dtype
+        if mesh is None:
+            self.dp, self.dp_rank, self.dp_group, self.tp_group = 1, 0, None, None
+        else:
+            dp = replica_mesh(mesh)  # dp, or dp x cp under context parallelism: every rank with the same weights
+            self.dp, self.dp_rank, self.dp_group = dp.size(), dp.get_local_rank(), dp.get_group()
+            self.tp_group = mesh["tp"].get_group() if mesh["tp"].size() > 1 else None
         # Experts split by expert parallelism (tagged ep_shard) are reduced over the ranks holding the same
         # experts (expert data parallel: dp / ep of them) and, like every gradient, divided by dp.
         self.edp_group = getattr(layout, "edp_group", None)
@@ -128,11 +145,11 @@ class DataParallel:
         self.expected: Optional[Dict[nn.Parameter, int]] = None  # accumulations per step, from step 1
         self.counts: Dict[nn.Parameter, int] = {}
         self.done: set = set()  # parameters whose gradient is in its bucket this step
-        if self.dp == 1 and zero_stage == 0:
+        if self.dp == 1 and zero_stage == 0 and not self.main_params:
             return  # nothing to reduce over dp: gradients stay where autograd puts them
         device = self.params[0].device
         self._build_buckets(int(bucket_size_mb * 2**20 / 4), device)
-        if zero_stage >= 1:
+        if self.has_shards:
             self._shard_parameters(device)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
@@ -166,26 +183,39 @@ class DataParallel:
                 bucket.grad = torch.zeros(size, dtype=torch.float32, device=device)
             if self.zero_stage == 1:  # reduce-scattered in place, as Megatron's distributed optimizer
                 bucket.grad_shard = bucket.grad[lo:lo + bucket.shard_size]
+            elif self.zero_stage == 0:  # main params: the optimizer's gradient is the whole bucket
+                bucket.grad_shard = bucket.grad
             elif self.zero_stage >= 2:
                 bucket.grad_shard = torch.zeros(bucket.shard_size, dtype=torch.float32, device=device)
             for i, p in enumerate(params):
                 self.where[p] = (bucket, offsets[i])
             self.buckets.append(bucket)
 
+    def _owned_range(self, b: Bucket) -> Tuple[int, int]:
+        """The elements of bucket `b` whose optimizer state this rank holds: its 1/dp, or all of it."""
+        if self.sharded:
+            return b.rank * b.shard_size, (b.rank + 1) * b.shard_size
+        return 0, b.size
+
     def _shard_parameters(self, device) -> None:
-        """Move parameters into flat per-bucket buffers and cut out this rank's shard of each."""
+        """Move parameters into flat per-bucket buffers (in the weights' dtype) and cut out this rank's shard
+        of each: a view of the buffer, or of the fp32 main parameters beside it."""
         for b in self.buckets:
-            b.param_buf = torch.zeros(b.size, dtype=self.params[0].dtype, device=device)
-            lo, hi = b.rank * b.shard_size, (b.rank + 1) * b.shard_size
+            b.param_buf = torch.zeros(b.size, dtype=self.param_dtype or self.params[0].dtype, device=device)
+            lo, hi = self._owned_range(b)
+            if self.main_params:
+                b.main = torch.zeros(hi - lo, dtype=torch.float32, device=device)
             for p, off in zip(b.params, b.offsets):
                 view = b.param_buf[off:off + p.numel()]
+                start, stop = max(lo, off) - off, min(hi, off + p.numel()) - off
+                if self.main_params and start < stop:  # from the fp32 weights, before they are rounded
+                    b.main[off + start - lo:off + stop - lo].copy_(p.detach().reshape(-1)[start:stop])
                 view.copy_(p.detach().reshape(-1))
                 p.data = view.view_as(p)
-                start, stop = max(lo, off) - off, min(hi, off + p.numel()) - off
                 if start >= stop:
                     continue
                 local = slice(off + start - lo, off + stop - lo)
-                t = nn.Parameter(self._owned(b)[local], requires_grad=True)  # an alias
+                t = nn.Parameter(self._optimized(b)[local], requires_grad=True)  # an alias
                 t.grad = b.grad_shard[local]
                 for tag in SHARD_TAGS:
                     if hasattr(p, tag):
@@ -193,8 +223,13 @@ class DataParallel:
                 b.shards.append(Shard(p, start, stop, t, local))
 
     def _owned(self, b: Bucket) -> torch.Tensor:
-        """The flat parameters of this rank's chunk of bucket `b`, which its optimizer updates."""
-        return b.param_buf[b.rank * b.shard_size:(b.rank + 1) * b.shard_size]
+        """This rank's chunk of bucket `b`'s weights, in their dtype (what the all-gather sends)."""
+        lo, hi = self._owned_range(b)
+        return b.param_buf[lo:hi]
+
+    def _optimized(self, b: Bucket) -> torch.Tensor:
+        """What the optimizer updates of bucket `b`: the fp32 main parameters, or the weights themselves."""
+        return b.main if self.main_params else self._owned(b)
 
     @property
     def shards(self) -> List[Shard]:
@@ -202,15 +237,27 @@ class DataParallel:
 
     @property
     def sharded(self) -> bool:
+        """ZeRO 1-3: the optimizer state (and main parameters) split over dp."""
         return self.zero_stage >= 1
+
+    @property
+    def main_params(self) -> bool:
+        return self.param_dtype is not None
+
+    @property
+    def has_shards(self) -> bool:
+        """The optimizer runs on Shards (flat views of buckets) rather than on the model's parameters."""
+        return self.sharded or self.main_params
 
     @property
     def grad_params(self) -> List[torch.Tensor]:
         """The tensors holding this rank's final gradients: the parameters, or their ZeRO shards."""
-        return [s.tensor for s in self.shards] if self.sharded else self.params
+        return [s.tensor for s in self.shards] if self.has_shards else self.params
 
     # -- backward --------------------------------------------------------------------------------
     def _on_grad(self, p: nn.Parameter) -> None:
+        if self.main_params:
+            self._add_to_main(p)
         if self.expected is None:  # first step: learn how many accumulations a step makes
             self.counts[p] = self.counts.get(p, 0) + 1
             return
@@ -221,12 +268,33 @@ class DataParallel:
         if count == self.expected[p]:
             self._ready(p)
 
-    def _ready(self, p: nn.Parameter) -> None:
+    def _main_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """p's slice of its bucket's fp32 gradient buffer (allocated, zero, when the step has none yet)."""
         bucket, off = self.where[p]
         if bucket.grad is None:
             bucket.grad = torch.zeros(bucket.size, dtype=torch.float32, device=p.device)
-        dst = bucket.grad[off:off + p.numel()]
-        if p.grad is None:
+        return bucket.grad[off:off + p.numel()]
+
+    def _add_to_main(self, p: nn.Parameter) -> None:
+        """Main params: add p's low-precision gradient into its fp32 main gradient and free it."""
+        if p.grad is not None:
+            self._main_grad(p).add_(p.grad.reshape(-1))
+            p.grad = None
+
+    def absorb(self, params) -> None:
+        """Main params: move gradients that were assigned without an accumulate hook (a zero-bubble schedule's
+        weight pass adds them in place) into the fp32 main gradients; call after each such pass."""
+        if self.main_params:
+            for p in params:
+                if p in self.where:
+                    self._add_to_main(p)
+
+    def _ready(self, p: nn.Parameter) -> None:
+        bucket, off = self.where[p]
+        dst = self._main_grad(p)
+        if self.main_params:
+            self._add_to_main(p)  # accumulated in place already; a gradient no hook saw joins here
+        elif p.grad is None:
             dst.zero_()
         else:
             dst.copy_(p.grad.reshape(-1))
@@ -237,6 +305,8 @@ class DataParallel:
             self._launch(bucket)
 
     def _launch(self, b: Bucket) -> None:
+        if b.group is None:  # a single process: nothing to reduce
+            return
         if self.sharded:
             b.work = bucket_reduce_scatter(b.grad_shard, b.grad, b.group, async_op=True)
         else:
@@ -252,16 +322,19 @@ class DataParallel:
             if self.expected is None:
                 self.expected = {p: self.counts.get(p, 1) for p in self.params}
             for b in self.buckets:
-                b.work.wait()
+                if b.work is not None:
+                    b.work.wait()
                 b.work, b.ready = None, 0
                 if self.sharded:
                     b.grad_shard.div_(self.dp)
                     if self.zero_stage >= 2:
                         b.grad = None
                 else:
-                    b.grad.div_(self.dp)
-                    for p, off in zip(b.params, b.offsets):
-                        p.grad = b.grad[off:off + p.numel()].view_as(p)
+                    if self.dp > 1:
+                        b.grad.div_(self.dp)
+                    if not self.main_params:  # (with main params the shards' gradients view the bucket)
+                        for p, off in zip(b.params, b.offsets):
+                            p.grad = b.grad[off:off + p.numel()].view_as(p)
             self.counts.clear()
             self.done.clear()
         self._sum_replicas()
@@ -271,7 +344,7 @@ class DataParallel:
         sp = [g for t, g in grads if getattr(t, "sequence_parallel", False)]
         tied = []
         if self.tied is not None:
-            if self.sharded:
+            if self.has_shards:
                 tied = [s.tensor.grad for s in self.shards if s.param is self.tied]
             else:
                 if self.tied.grad is None:
@@ -280,24 +353,41 @@ class DataParallel:
         sum_replicas(sp, self.tp_group, tied, self.embedding_group)
 
     # -- after the update ------------------------------------------------------------------------
+    @torch.no_grad()
+    def cast_main_params(self) -> None:
+        """Main params: round this rank's fp32 main parameters into its chunk of the weights."""
+        if self.main_params:
+            for b in self.buckets:
+                self._owned(b).copy_(b.main)
+
     def gather_params(self) -> None:
-        """ZeRO: every rank gets every bucket's updated parameters (in place in the model)."""
+        """After an update (or a load): the weights from the main parameters, and under ZeRO 1/2 every
+        rank gets every bucket's updated parameters (in place in the model)."""
+        self.cast_main_params()
+        if not self.sharded:
+            return
         works = []
         for b in self.buckets:  # in place: this rank's chunk is already where the output wants it
-            mine = b.param_buf[b.rank * b.shard_size:(b.rank + 1) * b.shard_size]
-            works.append(bucket_all_gather(b.param_buf, mine, b.group, async_op=True))
+            works.append(bucket_all_gather(b.param_buf, self._owned(b), b.group, async_op=True))
         for w in works:
             w.wait()
 
     def zero_grad(self) -> None:
         for p in self.params:
             p.grad = None
+        if self.main_params and self.zero_stage <= 1:  # the main gradients accumulate: clear them
+            for b in self.buckets:
+                b.grad.zero_()
         self.counts.clear()
         self.done.clear()
 
     def weight_bytes(self) -> int:
-        """Bytes of weights this rank holds (a tied weight counted once)."""
+        """Bytes of weights this rank holds (a tied weight counted once), main parameters not included."""
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def main_param_bytes(self) -> int:
+        """Bytes of fp32 main parameters this rank holds (0 without them)."""
+        return sum(b.main.numel() * b.main.element_size() for b in self.buckets if b.main is not None)
 
     def grad_bytes(self) -> int:
         """Bytes of gradient storage this rank holds now: its buckets (whose views the parameters'

@@ -249,6 +249,21 @@ def build_pipeline(model: nn.Module, family: Family, layout, group, cfg: Paralle
     return pipeline
 
 
+def after_weight_passes(pipeline: Pipeline, fn) -> None:
+    """Call `fn(the stage's parameters)` after each weight-gradient pass of this rank's stages. Zero-bubble
+    schedules split backward into input and weight passes, and the weight pass adds each micro-batch's
+    gradients into `.grad` itself, where no accumulate hook sees them (main parameters move them into
+    the fp32 main gradients here)."""
+    for stage in pipeline.stages:
+        params = list(stage.submod.parameters())
+
+        def weight_pass(*args, _pass=stage.backward_weight_one_chunk, _params=params, **kwargs):
+            out = _pass(*args, **kwargs)
+            fn(_params)
+            return out
+        stage.backward_weight_one_chunk = weight_pass  # on the instance: the schedule calls it by name
+
+
 def embedding_group(mesh, last_pp_rank: int):
     """The process group of the two ranks holding stage 0's embedding and the last stage's head
     for this rank's (dp, cp, tp) position; every rank creates every pair, in the same order.

@@ -16,7 +16,9 @@ the optimizer's bookkeeping never change; only the bytes come and go.
   gradient of that micro-batch accumulated. Gradients are reduce-scattered as in ZeRO-2.
 - Zero-bubble schedules assign weight gradients themselves (no accumulate hooks fire), so there
   a unit stays gathered from its input-gradient pass until the step's backward ends.
-- The optimizer step writes only the shards; the next forward gathers the new values.
+- The optimizer step writes only the shards; the next forward gathers the new values. With main
+  parameters the kept shard is in the weights' dtype, the fp32 main shard beside it, and the
+  all-gathers move the weights' dtype.
 
 Why our own rather than FSDP2's fully_shard: it would turn parameters into DTensors over the dp
 mesh, while the tensor-parallel shards, the gradient norm, the replica sums and the checkpoint
@@ -51,9 +53,10 @@ def model_units(model: nn.Module, parts: Parts) -> List[nn.Module]:
 class FullyShardedDataParallel(DataParallel):
     """DataParallel with zero_stage 3: weights, gradients and optimizer state sharded over dp."""
 
-    def __init__(self, model: nn.Module, parts: Parts, mesh, layout, bucket_size_mb: float = 25.0):
+    def __init__(self, model: nn.Module, parts: Parts, mesh, layout, bucket_size_mb: float = 25.0,
+                 param_dtype=None):
         self.units = model_units(model, parts)
-        super().__init__(model, mesh, layout, zero_stage=3, bucket_size_mb=bucket_size_mb)
+        super().__init__(model, mesh, layout, zero_stage=3, bucket_size_mb=bucket_size_mb, param_dtype=param_dtype)
         self.unit_buckets: Dict[nn.Module, List[Bucket]] = {}
         for unit in self.units:
             buckets = []
@@ -164,7 +167,7 @@ class FullyShardedDataParallel(DataParallel):
             self._free(b)
 
     def gather_params(self) -> None:
-        pass  # the next forward gathers the updated shards, unit by unit
+        self.cast_main_params()  # the next forward gathers the updated shards, unit by unit
 
     def weight_bytes(self) -> int:
         return sum(b.param_shard.numel() * b.param_shard.element_size()

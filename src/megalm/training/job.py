@@ -25,13 +25,14 @@ from megalm.errors import DataError
 from megalm.models import build_model, flops_per_token, init_weights
 from megalm.models.registry import family_of
 from megalm.parallel import build_data_parallel, materialize, parallelize
-from megalm.parallel.pipeline import build_pipeline
+from megalm.parallel.pipeline import after_weight_passes, build_pipeline
 from megalm.report import write_run_curves
 from megalm.training import cpu_memory
 from megalm.training.compiling import apply_compile
 from megalm.training.memory import check_host_memory
 from megalm.training.metrics import MetricLogger, Throughput, peak_flops_for
 from megalm.training.optim import LRSchedule, build_optimizer
+from megalm.training.precision import param_dtype
 
 log = logging.getLogger("megalm.train")
 
@@ -97,7 +98,10 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         pipeline = build_pipeline(model, family, layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
     apply_compile(model, family.parts, t.compile, t.compile_backend, device.type, pipeline)
-    data_parallel = build_data_parallel(model, family, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    data_parallel = build_data_parallel(model, family, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb,
+                                        param_dtype(t))
+    if pipeline is not None and data_parallel is not None and data_parallel.main_params:
+        after_weight_passes(pipeline, data_parallel.absorb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     peak = peak_flops_for(cfg.cluster, t.precision, device)
     trainer = Trainer(

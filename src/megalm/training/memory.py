@@ -3,9 +3,10 @@
 Megatron's accounting (its distributed-optimizer notes; ZeRO, arXiv:1910.02054): with low-precision
 weights (2 bytes), fp32 gradients (4) and an fp32 master copy plus Adam's two moments (4 + 4 + 4),
 a parameter costs 18 bytes without sharding and 6 + 12/dp with the optimizer state sharded over
-dp. megalm keeps fp32 weights (autocast casts them per op) and fp32 gradients, and the weights
-are their own master copy, so every precision costs 4 + 4 + 8 = 16 bytes per parameter unsharded,
-4 + 4 + 8/dp under ZeRO-1, 4 + 12/dp under ZeRO-2 and 16/dp under ZeRO-3.
+dp. megalm's trainer.mixed_precision=main_params is that (bf16 / fp16): 18, 6 + 12/dp under ZeRO-1,
+2 + 16/dp under ZeRO-2, 18/dp under ZeRO-3. fp32 runs and autocast keep fp32 weights (autocast casts
+them per op) and fp32 gradients, the weights their own master copy: 16 bytes per parameter
+unsharded, 4 + 4 + 8/dp under ZeRO-1, 4 + 12/dp under ZeRO-2 and 16/dp under ZeRO-3.
 Activations are not model state and are not counted here.
 """
 
@@ -33,7 +34,7 @@ def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, mast
 
 
 def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=None) -> Dict[str, int]:
-    """What this rank holds now: weights, gradients and optimizer state, in bytes.
+    """What this rank holds now: weights, gradients and optimizer state (fp32 main parameters included), in bytes.
 
     With a megalm.parallel.data.DataParallel the gradients are its buckets (full, or the ZeRO
     shard), which the parameters' .grad views or has been freed into, and under ZeRO-3 the
@@ -46,6 +47,8 @@ def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=
         grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                 if torch.is_tensor(t) and t.dim() > 0)  # Adam's scalar `step` is not model state
+    if data_parallel is not None:
+        state += data_parallel.main_param_bytes()
     return {"params": sum(p.numel() for p in params), "weights": weights, "grads": grads, "optimizer": state}
 
 
@@ -70,7 +73,9 @@ def check_host_memory(cfg, params_on_rank: int, dp: int, device: torch.device) -
         return
     o = cfg.optimizer
     moments = 2 if o.name == "adamw" else (1 if o.momentum else 0)
-    per_param = expected_bytes_per_param(optimizer_moments=moments, zero_stage=cfg.parallel.zero_stage, dp=dp)
+    main = cfg.trainer.mixed_precision == "main_params" and cfg.trainer.precision in ("bf16", "fp16")
+    per_param = expected_bytes_per_param(weight_bytes=2 if main else 4, master_weights=main,
+                                         optimizer_moments=moments, zero_stage=cfg.parallel.zero_stage, dp=dp)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # torch elastic and torchrun say how many share it
     need = params_on_rank * per_param * ranks
     if need > free:

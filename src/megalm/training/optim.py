@@ -25,8 +25,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> List[dict]:
 
 
 def build_optimizer(cfg: OptimizerConfig, model: nn.Module, data_parallel=None):
-    """The optimizer of `model`; under ZeRO (data_parallel sharded) one over this rank's shards."""
-    if data_parallel is not None and data_parallel.sharded:
+    """The optimizer of `model`; under ZeRO or with main parameters (data_parallel.has_shards) one over this
+    rank's shards."""
+    if data_parallel is not None and data_parallel.has_shards:
         decay, no_decay = [], []
         for s in data_parallel.shards:  # a shard is 1-D: decay follows the parameter it belongs to
             (decay if s.param.ndim >= 2 else no_decay).append(s.tensor)

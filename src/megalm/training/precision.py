@@ -1,7 +1,14 @@
-"""Mixed precision: the autocast context per `trainer.precision`, and fp16's dynamic loss scaler.
+"""Mixed precision: the weights' dtype and the autocast context per `trainer.precision` and
+`trainer.mixed_precision`, and fp16's dynamic loss scaler.
 
-Parameters, gradients and optimizer state stay fp32 (master weights); autocast runs matmuls in
-bf16 or fp16. fp16's narrow range needs the loss scaled up before backward so small gradients
+- autocast: parameters, gradients and optimizer state stay fp32 (master weights); autocast casts
+  the weights and activations to bf16 or fp16 in every matmul.
+- main_params (Megatron's mixed precision): the weights are held in bf16 / fp16 and the optimizer
+  updates fp32 main parameters, with gradients accumulated into fp32 main-grad buffers
+  (megalm.parallel.data). Autocast stays on as the dtype policy of the ops that run in fp32
+  (losses); it has no weight left to cast.
+
+fp16's narrow range needs the loss scaled up before backward so small gradients
 do not flush to zero, and the step skipped when the scaled gradients overflow. The scaler
 follows Megatron's DynamicGradScaler (arXiv:1710.03740 for the method): start at 2^32; on an
 overflow anywhere in the job every rank skips the step and spends one unit of hysteresis, and
@@ -20,6 +27,17 @@ from typing import Iterable, Optional
 
 import torch
 import torch.distributed as dist
+
+
+LOW_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def param_dtype(trainer) -> Optional[torch.dtype]:
+    """The dtype the weights are held in under `trainer` (a TrainerConfig) when it is not theirs (fp32):
+    bf16 / fp16 with trainer.mixed_precision=main_params; None otherwise."""
+    if trainer.mixed_precision == "main_params":
+        return LOW_PRECISION.get(trainer.precision)
+    return None
 
 
 def autocast(precision: str, device_type: str):

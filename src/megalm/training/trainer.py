@@ -100,6 +100,8 @@ class Trainer:
     def load(self, path, weights_only: bool = False, metadata=None) -> None:
         saved = self.checkpointer.load(path, self.model, None if weights_only else self.optimizer, self.data_parallel,
                                        metadata, self.layout)
+        if self.data_parallel is not None and self.data_parallel.main_params:
+            self.data_parallel.gather_params()  # the load filled the fp32 main parameters: the weights follow
         if not weights_only:
             self.step = saved["step"]
             self.loader.consumed_samples = saved["consumed_samples"]

@@ -10,6 +10,9 @@ what the rank holds and a load fills the rank's tensors in place, whatever layou
 - tensor parallel: the rank's shard, placed by its TPShard;
 - ZeRO 1/2: full weights (replicated over dp, written once), optimizer state of the rank's flat
   range of each parameter; ZeRO 3: the weights' flat ranges too;
+- main parameters (trainer.mixed_precision=main_params): the fp32 main parameters under the model's
+  keys, in the flat ranges the rank holds, so a checkpoint keeps fp32 weights whatever the weights'
+  dtype in training, and loads across precisions and modes;
 - pipeline: the stage's own layers; a tied copy of the embedding on the last stage writes its
   weight as `head.weight` and its optimizer state under the embedding's name, as a single process
   does (the two copies take the same update, so both stages write the same blocks, kept once).
@@ -42,16 +45,23 @@ def _chunked(model: nn.Module, name: str, p: nn.Parameter, flat: torch.Tensor, s
 
 
 def _shards_of(data_parallel) -> Dict[nn.Parameter, Any]:
-    return {s.param: s for s in data_parallel.shards} if data_parallel is not None and data_parallel.sharded else {}
+    return {s.param: s for s in data_parallel.shards} if data_parallel is not None and data_parallel.has_shards else {}
+
+
+def _weights_in_shards(data_parallel) -> bool:
+    """The rank's weights to save and load are its shards: ZeRO-3 (the parameters' storage is freed
+    between uses), or main parameters (the fp32 values, not the rounded weights)."""
+    return data_parallel is not None and (data_parallel.zero_stage == 3 or data_parallel.main_params)
 
 
 def model_entries(model: nn.Module, data_parallel=None) -> Dict[str, Chunked]:
-    """Global name → this rank's blocks of every parameter (under ZeRO-3: of its flat shard)."""
-    zero3 = data_parallel is not None and data_parallel.zero_stage == 3
-    shards = _shards_of(data_parallel) if zero3 else {}
+    """Global name → this rank's blocks of every parameter (under ZeRO-3 or with main parameters: of its
+    flat shards)."""
+    in_shards = _weights_in_shards(data_parallel)
+    shards = _shards_of(data_parallel) if in_shards else {}
     out = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        if zero3:  # the parameter's storage is freed between uses; the shard is what the rank has
+        if in_shards and p.requires_grad:
             s = shards.get(p)
             out[name] = (_chunked(model, name, p, s.tensor.detach(), s.start, s.stop) if s is not None
                          else _chunked(model, name, p, p.new_empty(0), 0, 0))
@@ -109,7 +119,7 @@ def zero_vocab_padding(model: nn.Module, optimizer=None, data_parallel=None) -> 
     0, as init_weights makes them (they are never looked up and masked in the loss)."""
     vocab = {p for name, p in model.named_parameters(remove_duplicate=False) if _vocab_rows(model, name, p)}
     with torch.no_grad():
-        if data_parallel is not None and data_parallel.zero_stage == 3:
+        if _weights_in_shards(data_parallel):
             for s in data_parallel.shards:
                 if s.param in vocab:
                     s.tensor.zero_()
