@@ -43,9 +43,11 @@ def test_scaler_follows_megatron_rules():
 
 
 def _snapshot(trainer):
-    """Copies of every weight and every optimizer state tensor (moments, step counts), by name."""
+    """Copies of every weight (and fp32 main parameter) and every optimizer state tensor (moments, step
+    counts), by name."""
     weights = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    state = {f"{i}.{k}": v.detach().clone() for i, s in trainer.optimizer.state_dict()["state"].items()
+    weights.update({f"main.{i}": t.detach().clone() for i, t in enumerate(trainer.params)})
+    state = {f"{i}.{k}": v.detach().clone() for i, s in enumerate(trainer.optimizer.state.values())
              for k, v in s.items() if torch.is_tensor(v)}
     return weights, state
 
@@ -82,8 +84,11 @@ def _fp16_with_inf_on_rank_1(rank, world, overrides, run_dir):
     return unchanged  # per step: (weights bitwise unchanged, optimizer state bitwise unchanged)
 
 
-def test_injected_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(tmp_path):
-    overrides = [*BASE, *GPT2, "parallel=dp2", "trainer.precision=fp16", "trainer.initial_loss_scale=1024",
+@pytest.mark.parametrize("mode", ["autocast", "main_params"])
+def test_injected_inf_on_one_rank_skips_the_step_everywhere_and_halves_the_scale(tmp_path, mode):
+    """(main_params: the overflow is in rank 1's fp32 main gradients, which the scaler unscales and checks.)"""
+    overrides = [*BASE, *GPT2, "parallel=dp2", "trainer.precision=fp16", f"trainer.mixed_precision={mode}",
+                 "trainer.initial_loss_scale=1024",
                  "trainer.hysteresis=1", "trainer.max_steps=5", "trainer.loss_scale_window=1000"]
     per_rank = run_ranks(2, _fp16_with_inf_on_rank_1, overrides, str(tmp_path))
     steps = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines() if '"loss"' in l]
@@ -129,11 +134,14 @@ def fp32_run(tmp_path_factory):
     return _flat_weights(None, cfg), _flat_weights(run_dir, cfg)
 
 
+@pytest.mark.parametrize("mode", ["autocast", "main_params"])
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_mixed_precision_updates_the_weights_as_fp32_does(tmp_path, fp32_run, precision):
+def test_mixed_precision_updates_the_weights_as_fp32_does(tmp_path, fp32_run, precision, mode):
+    """main_params: the weights the forward uses are rounded to the dtype once an update, as autocast rounds
+    them in every op, and the fp32 main parameters (what the checkpoint holds) take the update."""
     from megalm.train import run
     w_init, w_fp32 = fp32_run
-    cfg = load(*BASE, *GPT2, *SGD, f"trainer.precision={precision}")
+    cfg = load(*BASE, *GPT2, *SGD, f"trainer.precision={precision}", f"trainer.mixed_precision={mode}")
     run(cfg, tmp_path)
     w = _flat_weights(tmp_path, cfg)
     update = (w_fp32 - w_init).norm()
