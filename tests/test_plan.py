@@ -488,6 +488,13 @@ def test_bad_cluster_figures_are_named(override, named):
         _compose(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", override)
 
 
+def test_main_params_are_refused_until_modelled():
+    from megalm.errors import ConfigError
+    with pytest.raises(ConfigError, match=r"trainer\.mixed_precision=main_params .* not modelled by megalm\.plan yet"):
+        _compose(*TINY, "trainer.global_batch_size=8", "trainer.precision=bf16", "trainer.mixed_precision=main_params")
+    _compose(*TINY, "trainer.global_batch_size=8", "trainer.mixed_precision=main_params")  # fp32: nothing changes
+
+
 def test_traffic_counted_on_fake_tensors_equals_a_real_run():
     """`count_traffic` counts on FakeTensorMode tensors (nothing allocated, so any size): the same layer,
     embedding and heads run on real CPU tensors move the same bytes, op for op; across norms, activations,

@@ -32,10 +32,10 @@ def _build(world, zero_stage, bucket_mb, family=GPT2, param_dtype=None):
     return cfg, model, dp, opt, batches
 
 
-def _comm_timeline(rank, world, zero_stage):
+def _comm_timeline(rank, world, zero_stage, param_dtype=None):
     """Three steps of two micro-batches; the collectives seen inside each backward and after it."""
     from megalm.distributed.comm import count_comm
-    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02)
+    cfg, model, dp, opt, batches = _build(world, zero_stage, bucket_mb=0.02, param_dtype=param_dtype)
     steps = []
     for _ in range(3):
         seen = []
@@ -87,6 +87,7 @@ def _dp2_measurements(rank, world):
     """Every measurement below on one set of ranks (starting processes costs more than these)."""
     import torch
     return {"comm": {z: _comm_timeline(rank, world, z) for z in (0, 1, 2)},
+            "main_comm": {z: _comm_timeline(rank, world, z, torch.bfloat16) for z in (0, 1, 2)},
             "state": {z: _state_bytes(rank, world, z) for z in (0, 1, 2, 3)},
             "main_state": {z: _state_bytes(rank, world, z, torch.bfloat16) for z in (0, 1, 2, 3)},
             "zero3": _zero3_timeline(rank, world)}
@@ -119,9 +120,12 @@ def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest(dp2):
     assert min(held) > shard_bytes  # something was gathered whenever a unit ran
 
 
+@pytest.mark.parametrize("main", [False, True], ids=["fp32", "main_params"])
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(dp2, zero_stage):
-    steps, sizes, dp = dp2[0]["comm"][zero_stage]
+def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_volume(dp2, zero_stage, main):
+    """main_params: the fp32 main gradients reduce as fp32 gradients do; the all-gather after the update moves
+    the bf16 weights, half the bytes."""
+    steps, sizes, dp = dp2[0]["main_comm" if main else "comm"][zero_stage]
     assert len(sizes) > 3  # several buckets, so there is something to overlap
     total = 4 * sum(sizes)  # fp32 bytes of every bucket (padded to a multiple of dp)
     assert all(s % dp == 0 for s in sizes)
@@ -133,11 +137,11 @@ def test_buckets_communicate_only_in_the_last_backward_and_move_the_analytic_vol
         else:  # later steps launch every bucket inside the last backward, as its gradients complete
             assert seen[1] == {dp_kind: total} and fin == {}
         # ZeRO: the update ends with each rank's 1/dp of every bucket all-gathered.
-        assert upd == ({} if zero_stage == 0 else {"all_gather": total // dp})
+        assert upd == ({} if zero_stage == 0 else {"all_gather": total // dp // (2 if main else 1)})
     # Ring cost: all-reduce 2(p-1)/p N; reduce-scatter (p-1)/p N + all-gather (p-1) N/p: the same.
     ring = {"all_reduce": 2 * (dp - 1) / dp, "reduce_scatter": (dp - 1) / dp, "all_gather": dp - 1}
     _, fin, upd = steps[0]
-    cost = sum(ring[k] * v for part in (fin, upd) for k, v in part.items())
+    cost = sum(ring[k] * v * (2 if main and k == "all_gather" else 1) for part in (fin, upd) for k, v in part.items())
     assert cost == pytest.approx(2 * (dp - 1) / dp * total)
 
 
