@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# MFU of gpt_1_3b-shaped training in bf16 on one CUDA device: eager, whole-model compiled and
-# per-block compiled, one short run each, then a table. For a machine with a CUDA device and
+# MFU of gpt_1_3b-shaped training in bf16 on one CUDA device: eager, whole-model compiled,
+# per-block compiled (autocast: fp32 weights) and eager with trainer.mixed_precision=main_params
+# (bf16 weights, fp32 main parameters), one short run each, then a table. For a machine with a CUDA device and
 # megalm installed (pip install -e .); on a machine without one it says so and does nothing.
 #
 #   bash scripts/gpu_check.sh [out_dir]          # about 5 minutes on an H100 / H200
@@ -61,6 +62,7 @@ run() {  # run <label> <overrides...>
 run eager
 run compiled trainer.compile=model
 run compiled_blocks trainer.compile=blocks
+run main_params trainer.mixed_precision=main_params
 
 "$PY" - "$OUT" <<'EOF'
 import json, sys
@@ -68,7 +70,7 @@ from pathlib import Path
 out = Path(sys.argv[1])
 print(f"\n| run | steps | tokens/s | TFLOP/s | MFU | peak memory GB | compile s |")
 print("|---|---|---|---|---|---|---|")
-for label in ("eager", "compiled", "compiled_blocks"):
+for label in ("eager", "compiled", "compiled_blocks", "main_params"):
     path = out / label / "metrics.jsonl"
     records = [json.loads(line) for line in path.open()] if path.exists() else []
     train = [r for r in records if "tokens_per_s" in r]

@@ -100,7 +100,7 @@ def test_gpu_check_does_nothing_without_a_cuda_device(tmp_path):
 
 
 def test_gpu_check_tried_on_cpu_fills_its_table_from_the_runs_metrics(tmp_path):
-    """GPU_CHECK_CPU=1 with a small model: the script's three runs train, and its table is read from
+    """GPU_CHECK_CPU=1 with a small model: the script's four runs train, and its table is read from
     what they logged (a row of dashes is a run without metrics)."""
     import os
     import subprocess
@@ -113,10 +113,10 @@ def test_gpu_check_tried_on_cpu_fills_its_table_from_the_runs_metrics(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in done.stdout.splitlines() if line.startswith("| ") and not line.startswith("| run ")}
-    assert set(rows) == {"eager", "compiled", "compiled_blocks"}, done.stdout
+    assert set(rows) == {"eager", "compiled", "compiled_blocks", "main_params"}, done.stdout
     for label, (steps, tokens_per_s, tflops, mfu, memory, compile_s) in rows.items():
         assert steps == "10" and float(tokens_per_s) > 0 and mfu.endswith("%") and float(memory) > 0, done.stdout
-        assert (compile_s == "-") == (label == "eager"), done.stdout  # only the compiled runs compiled
+        assert (compile_s == "-") == (label in ("eager", "main_params")), done.stdout  # only the compiled runs compiled
 
 
 def test_bench_loss_smoke(tmp_path):

@@ -114,7 +114,9 @@ def _first_main_grads(rank, world, jobs):
 LAYOUTS = [
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=1"], 2),
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=3"], 2),
+    ("llama", ["parallel=pp2", "parallel.pipeline_schedule=gpipe"], 2),
     ("llama", ["parallel=pp2", "parallel.pipeline_schedule=1f1b"], 2),
+    ("llama", ["parallel=pp2", "parallel.pipeline_schedule=interleaved_1f1b", "parallel.virtual_pipeline_size=2"], 2),
     ("llama", ["parallel=pp2", "parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2"], 2),
     ("llama", ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"], 2),
     ("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2),

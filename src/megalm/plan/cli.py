@@ -60,12 +60,6 @@ def compose(overrides: List[str], gpus: Optional[int] = None):
         raise ConfigError(f"--gpus={gpus} must be at least 1")
     world = gpus if gpus is not None else ranks_needed(cfg)
     validate(cfg, world)
-    if cfg.trainer.mixed_precision == "main_params" and cfg.trainer.precision in ("bf16", "fp16"):
-        # Not counted yet: bf16 weights, fp32 main parameters and gradients, and what they change in the saved
-        # activations and the ZeRO gathers. A plan of autocast's counts would mislead.
-        raise ConfigError(f"trainer.mixed_precision=main_params (trainer.precision={cfg.trainer.precision}) is not "
-                          "modelled by megalm.plan yet; plan with trainer.mixed_precision=autocast (its model state "
-                          "is 4 + 4 + 8/dp bytes a parameter under ZeRO-1, main_params' 2 + 4 + 12/dp)")
     return cfg, world
 
 
@@ -179,6 +173,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             if args.gpus is None:
                 raise ConfigError("--search needs --gpus N: the devices to lay the model out on")
             cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None)
+            if cfg.trainer.mixed_precision == "main_params" and cfg.trainer.precision in ("bf16", "fp16"):
+                raise ConfigError("--search ranks layouts by their step time and peak memory, which "
+                                  "trainer.mixed_precision=main_params does not model yet (its model state only: "
+                                  "plan one layout without --search); search with trainer.mixed_precision=autocast")
             jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
             if jobs < 1:
                 raise ConfigError(f"--jobs={jobs} must be at least 1")

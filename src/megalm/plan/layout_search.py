@@ -101,9 +101,10 @@ def stage_params_estimate(cfg, world: int, pp_rank: int) -> int:
 
 
 def _state_estimate(cfg, world: int, pp_rank: int) -> float:
-    from megalm.training.memory import expected_bytes_per_param  # lazy: torch, as the formula modules
+    from megalm.training.memory import expected_bytes_per_param, precision_bytes  # lazy: torch, as the formula modules
     dims = _dims(cfg, world)
-    return expected_bytes_per_param(zero_stage=cfg.parallel.zero_stage, dp=dims.dp * dims.cp) * \
+    return expected_bytes_per_param(**precision_bytes(cfg.trainer), zero_stage=cfg.parallel.zero_stage,
+                                    dp=dims.dp * dims.cp) * \
         stage_params_estimate(cfg, world, pp_rank)
 
 

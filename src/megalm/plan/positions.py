@@ -52,11 +52,11 @@ def plan(cfg, world: int) -> Dict[str, Any]:
     from megalm.plan.model_state import exact_model_state_bytes
     from megalm.plan.schedules import bubble_equal_stages, compute_bubble, stage_layers
     from megalm.plan.step_time import estimate_step
-    from megalm.training.memory import expected_bytes_per_param
+    from megalm.training.memory import expected_bytes_per_param, precision_bytes
     dims = _dims(cfg, world)
     p, t = cfg.parallel, cfg.trainer
     replicas = dims.dp * dims.cp  # the ranks ZeRO shards over (megalm.distributed.mesh.replica_mesh)
-    per_param = expected_bytes_per_param(zero_stage=p.zero_stage, dp=replicas)
+    per_param = expected_bytes_per_param(**precision_bytes(t), zero_stage=p.zero_stage, dp=replicas)
     m = t.global_batch_size // (t.micro_batch_size * dims.dp)
     positions: List[Dict[str, Any]] = []
     comm: Dict[int, Dict[str, Any]] = {}

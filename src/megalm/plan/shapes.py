@@ -114,6 +114,12 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
     bert = kind == "encoder"
     if bert and m.fine_tuning_head:
         raise ConfigError(_BERT_FINE_TUNING)
+    if tr.mixed_precision == "main_params" and tr.precision in ("bf16", "fp16"):
+        # bf16 weights change what is saved (no weight copies; a bf16 residual stream and norm inputs), the
+        # traffic and the ZeRO gathers: counted by the formula for model state only, until these are derived.
+        raise ConfigError(f"activation memory, traffic and collectives under trainer.mixed_precision=main_params "
+                          f"(trainer.precision={tr.precision}) are not modelled yet, only its model state (2 + 4 + 12/dp "
+                          f"bytes a parameter under ZeRO-1); trainer.mixed_precision=autocast is modelled whole")
     if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"activation memory is derived for transformer_impl=local in fp32 / bf16 / fp16; got "
                           f"model.transformer_impl={m.transformer_impl}, trainer.precision={tr.precision}")

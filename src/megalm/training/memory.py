@@ -33,6 +33,13 @@ def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, mast
     return shard(weight_bytes, 3) + shard(grad_bytes, 2) + shard(optimizer, 1)
 
 
+def precision_bytes(trainer) -> Dict[str, object]:
+    """`expected_bytes_per_param`'s weight_bytes and master_weights for a TrainerConfig: bf16 / fp16 weights
+    with fp32 main parameters under trainer.mixed_precision=main_params, else fp32 weights, their own master."""
+    main = trainer.mixed_precision == "main_params" and trainer.precision in ("bf16", "fp16")
+    return {"weight_bytes": 2 if main else 4, "master_weights": main}
+
+
 def measured_model_state_bytes(model: torch.nn.Module, optimizer, data_parallel=None) -> Dict[str, int]:
     """What this rank holds now: weights, gradients and optimizer state (fp32 main parameters included), in bytes.
 
@@ -73,9 +80,8 @@ def check_host_memory(cfg, params_on_rank: int, dp: int, device: torch.device) -
         return
     o = cfg.optimizer
     moments = 2 if o.name == "adamw" else (1 if o.momentum else 0)
-    main = cfg.trainer.mixed_precision == "main_params" and cfg.trainer.precision in ("bf16", "fp16")
-    per_param = expected_bytes_per_param(weight_bytes=2 if main else 4, master_weights=main,
-                                         optimizer_moments=moments, zero_stage=cfg.parallel.zero_stage, dp=dp)
+    per_param = expected_bytes_per_param(**precision_bytes(cfg.trainer), optimizer_moments=moments,
+                                         zero_stage=cfg.parallel.zero_stage, dp=dp)
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)  # torch elastic and torchrun say how many share it
     need = params_on_rank * per_param * ranks
     if need > free:
