@@ -13,7 +13,7 @@ from layouts import BASE, GPT2, LLAMA, losses, run_layout, run_layouts
 from megalm.validation import validate
 
 
-def _build(world, zero_stage, bucket_mb, family=GPT2, param_dtype=None):
+def _build(world, zero_stage, bucket_mb, family=GPT2, param_dtype=None, overlap=False):
     import torch
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
@@ -25,7 +25,7 @@ def _build(world, zero_stage, bucket_mb, family=GPT2, param_dtype=None):
     layout = parallelize(model, family_of(model.cfg.arch), mesh, cfg.parallel)
     materialize(model, "cpu")
     init_weights(model, cfg.model, 0)
-    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, zero_stage, bucket_mb, param_dtype)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, zero_stage, bucket_mb, param_dtype, overlap)
     opt = build_optimizer(cfg.optimizer, model, dp)
     g = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     batches = [torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_length + 1), generator=g) for _ in range(2)]
@@ -50,6 +50,36 @@ def _comm_timeline(rank, world, zero_stage, param_dtype=None):
         opt.zero_grad()
         steps.append((seen, dict(fin.bytes), dict(upd.bytes)))
     return steps, [b.size for b in dp.buckets], dp.dp
+
+
+def _overlapped_gathers(rank, world):
+    """ZeRO-1 with overlap_param_gather beside a run without it, from the same weights on the same batches: per
+    step, the buckets still gathering when the update returns, the modules that began their forward while a
+    bucket holding their weights was still gathering, and whether both models' weights are then equal."""
+    import torch
+    plain, overlapped = (_build(world, 1, bucket_mb=0.02, overlap=o) for o in (False, True))
+    _, model, dp, opt, batches = overlapped
+    early = []
+    for module in model.modules():  # registered after the DataParallel's own hooks, so these run after them
+        held = [p for p in module.parameters(recurse=False) if p in dp.where]
+        if held:
+            module.register_forward_pre_hook(lambda m, args, held=held: early.extend(
+                m for p in held if dp.where[p][0].gather_work is not None))
+    steps = []
+    for _ in range(2):
+        for _, m, d, o, _ in (plain, overlapped):
+            for x in batches:
+                (m(x[:, :-1], labels=x[:, 1:]) / len(batches)).backward()
+            d.finish()
+            o.step()
+            o.zero_grad()
+        pending = sum(b.gather_work is not None for b in dp.buckets)
+        early.clear()
+        with torch.no_grad():
+            model(batches[0][:, :-1])
+        steps.append((pending, len(dp.buckets), len(early),
+                      all(torch.equal(a, b) for a, b in zip(plain[1].parameters(), model.parameters()))))
+    return steps
 
 
 def _zero3_timeline(rank, world):
@@ -90,7 +120,7 @@ def _dp2_measurements(rank, world):
             "main_comm": {z: _comm_timeline(rank, world, z, torch.bfloat16) for z in (0, 1, 2)},
             "state": {z: _state_bytes(rank, world, z) for z in (0, 1, 2, 3)},
             "main_state": {z: _state_bytes(rank, world, z, torch.bfloat16) for z in (0, 1, 2, 3)},
-            "zero3": _zero3_timeline(rank, world)}
+            "zero3": _zero3_timeline(rank, world), "overlap": _overlapped_gathers(rank, world)}
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +202,30 @@ def test_model_state_memory_per_rank_matches_the_formula(dp2, zero_stage):
         assert got["optimizer"] == pytest.approx(8 * n / (world if zero_stage else 1), abs=8 * padding)
         assert got["grads"] == pytest.approx(4 * n / (world if zero_stage >= 2 else 1), abs=4 * padding)
         assert got["weights"] == pytest.approx(4 * n / (world if zero_stage == 3 else 1), abs=4 * padding)
+
+
+def test_overlapped_gathers_are_waited_on_where_the_forward_first_uses_them(dp2):
+    """parallel.overlap_param_gather: the update returns with every bucket's all-gather still running; each is
+    waited on before any module using its weights runs; the weights are those of the run that waits at once."""
+    for rank in dp2:
+        for pending, buckets, early, equal in rank["overlap"]:
+            assert buckets > 3 and pending == buckets and early == 0 and equal
+
+
+def test_overlapped_gathers_train_as_waiting_at_once(tmp_path):
+    common = [*BASE, *LLAMA, "parallel=dp2", "checkpoint.save=true"]
+    runs = {(z, o): tmp_path / f"z{z}_{o}" for z in (1, 2) for o in ("true", "false")}
+    run_layouts(2, [([*common, f"parallel.zero_stage={z}", f"parallel.overlap_param_gather={o}"], str(d))
+                    for (z, o), d in runs.items()])
+    for z in (1, 2):
+        assert losses(runs[z, "true"]) == losses(runs[z, "false"])  # exactly: the same sums, waited on later
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_overlap_param_gather_needs_zero_1_or_2(zero_stage):
+    with pytest.raises(ValueError, match=f"parallel.zero_stage={zero_stage} has"):
+        validate(load(*BASE, *GPT2, "parallel=dp2", f"parallel.zero_stage={zero_stage}",
+                      "parallel.overlap_param_gather=true"), 2)
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])

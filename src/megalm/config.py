@@ -123,6 +123,9 @@ class ParallelConfig:
     """0 = plain DP, 1 = shard optimizer state over dp, 2 = + gradients, 3 = + parameters (gathered per layer)."""
     bucket_size_mb: float = 25.0
     """fp32 gradient MiB per data-parallel bucket: one collective each, launched during backward."""
+    overlap_param_gather: bool = False
+    """ZeRO 1/2: the parameter all-gather after the update runs in the background, each bucket waited on when the
+    next forward first uses one of its weights (Megatron's --overlap-param-gather); false: waited on at once."""
     recompute: str = "none"
     """none | selective (attention core) | full (whole blocks) activation recomputation."""
     recompute_num_layers: Optional[int] = None

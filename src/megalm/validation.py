@@ -164,6 +164,11 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
             f"micro_batch_size({t.micro_batch_size}) * dp({dims.dp}) = {per_step}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage={p.zero_stage} is not one of 0, 1, 2, 3")
+    if p.overlap_param_gather and p.zero_stage not in (1, 2):
+        raise ConfigError(f"parallel.overlap_param_gather=true overlaps ZeRO 1/2's parameter all-gather; "
+                          f"parallel.zero_stage={p.zero_stage} has " + ("none" if p.zero_stage == 0 else
+                          "its own (ZeRO-3 prefetches each layer's gather during the previous one)") +
+                          ": set parallel.zero_stage=1 or 2, or parallel.overlap_param_gather=false")
     # Not built yet: refuse clearly rather than silently run something else.
     if t.precision == "fp8":
         raise ConfigError("trainer.precision=fp8 runs through Transformer Engine (model.transformer_impl=te), "

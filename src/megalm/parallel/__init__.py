@@ -147,15 +147,16 @@ def parallelize(model: nn.Module, family: Family, mesh, cfg: ParallelConfig, see
 
 
 def build_data_parallel(model: nn.Module, family: Family, mesh, layout: Layout, zero_stage: int,
-                        bucket_size_mb: float, param_dtype: Optional[torch.dtype] = None) -> Optional[DataParallel]:
+                        bucket_size_mb: float, param_dtype: Optional[torch.dtype] = None,
+                        overlap_param_gather: bool = False) -> Optional[DataParallel]:
     """The gradient synchroniser of a distributed run (ZeRO-3 gathers `family`'s units); None in a single
     process, unless `param_dtype` asks for low-precision weights with fp32 main parameters (the buckets
-    hold the main gradients then, megalm.parallel.data)."""
+    hold the main gradients then, megalm.parallel.data). `overlap_param_gather`: ZeRO 1/2's."""
     if mesh is None:
         return DataParallel(model, None, layout, 0, bucket_size_mb, param_dtype) if param_dtype is not None else None
     if zero_stage == 3:
         return FullyShardedDataParallel(model, family.parts, mesh, layout, bucket_size_mb, param_dtype)
-    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb, param_dtype)
+    return DataParallel(model, mesh, layout, zero_stage, bucket_size_mb, param_dtype, overlap_param_gather)
 
 
 __all__ = ["Layout", "build_data_parallel", "materialize", "parallelize", "retie", "shared_names", "te_available"]

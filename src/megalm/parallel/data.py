@@ -19,6 +19,11 @@ micro-batch).
   model in place. A reduce-scatter plus an all-gather move what one all-reduce moves.
 - zero_stage 2: as 1, and the full gradient buffer of a bucket is freed once it is scattered, so
   between steps a rank holds only its 1/dp of the gradients.
+- overlap_param_gather (ZeRO 1/2): the all-gathers after the update are launched in forward order
+  and left running; a forward pre-hook on each module holding a bucket's weights waits for that
+  bucket, so the gathers of later layers move while earlier layers compute (Megatron's
+  overlap-param-gather). Whatever reads the weights outside a forward (a checkpoint, evaluation,
+  the next update) calls `wait_params` first.
 
 Main parameters (`param_dtype` bf16 / fp16: trainer.mixed_precision=main_params, Megatron's mixed
 precision, arXiv:1710.03740): the model's weights are held in that dtype (flat per-bucket buffers
@@ -45,6 +50,7 @@ the tied embedding gets a bucket of its own so both stages shard it identically)
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -122,10 +128,12 @@ class DataParallel:
     """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
 
     def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0,
-                 param_dtype: Optional[torch.dtype] = None):
+                 param_dtype: Optional[torch.dtype] = None, overlap_param_gather: bool = False):
         """`mesh` None: a single process (main parameters only). `param_dtype`: hold the weights in this
-        dtype, with fp32 main parameters and main gradients (the module docstring); None: as they are."""
+        dtype, with fp32 main parameters and main gradients (the module docstring); None: as they are.
+        `overlap_param_gather`: ZeRO 1/2's all-gathers waited on at first use (the module docstring)."""
         self.model, self.zero_stage, self.param_dtype = model, zero_stage, param_dtype
+        self.overlap_param_gather = overlap_param_gather and zero_stage in (1, 2)
         if mesh is None:
             self.dp, self.dp_rank, self.dp_group, self.tp_group = 1, 0, None, None
         else:
@@ -153,6 +161,8 @@ class DataParallel:
             self._shard_parameters(device)
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._on_grad)
+        if self.overlap_param_gather:
+            self._hook_first_uses()
 
     # -- layout ----------------------------------------------------------------------------------
     def _param_groups(self, cap: int) -> List[List[nn.Parameter]]:
@@ -314,6 +324,7 @@ class DataParallel:
 
     def finish(self) -> None:
         """After the step's backward: wait for every bucket, average, and sum the replicas."""
+        self.wait_params()  # a weight no forward used: its gather is done before the update writes its source
         if self.buckets:
             for b in self.buckets:  # first step, or a parameter that got no gradient: launch now
                 for p in b.params:
@@ -362,15 +373,42 @@ class DataParallel:
 
     def gather_params(self) -> None:
         """After an update (or a load): the weights from the main parameters, and under ZeRO 1/2 every
-        rank gets every bucket's updated parameters (in place in the model)."""
+        rank gets every bucket's updated parameters (in place in the model): waited on now, or, with
+        overlap_param_gather, where the next forward first uses them."""
         self.cast_main_params()
         if not self.sharded:
             return
-        works = []
-        for b in self.buckets:  # in place: this rank's chunk is already where the output wants it
-            works.append(bucket_all_gather(b.param_buf, self._owned(b), b.group, async_op=True))
-        for w in works:
-            w.wait()
+        for b in reversed(self.buckets):  # forward order: the first layers' buckets are needed first
+            # in place: this rank's chunk is already where the output wants it
+            b.gather_work = bucket_all_gather(b.param_buf, self._owned(b), b.group, async_op=True)
+        if not self.overlap_param_gather:
+            self.wait_params()
+
+    def wait_params(self) -> None:
+        """Wait for every parameter all-gather still running (overlap_param_gather)."""
+        for b in self.buckets:
+            self._wait_gather(b)
+
+    def _wait_gather(self, b: Bucket) -> None:
+        if b.gather_work is not None:
+            b.gather_work.wait()
+            b.gather_work = None
+
+    def _hook_first_uses(self) -> None:
+        """A forward pre-hook on every module holding weights of a bucket: wait for those buckets' gathers."""
+        for module in self.model.modules():
+            buckets = []
+            for p in module.parameters(recurse=False):
+                b = self.where.get(p, (None,))[0]
+                if b is not None and all(b is not x for x in buckets):  # identity: a dataclass's == compares tensors
+                    buckets.append(b)
+            if buckets:
+                # torch.compile (trainer.compile) runs the wait eagerly between its graphs rather than tracing it
+                module.register_forward_pre_hook(torch.compiler.disable(functools.partial(self._before_use, buckets)))
+
+    def _before_use(self, buckets: List[Bucket], module: nn.Module, args) -> None:
+        for b in buckets:
+            self._wait_gather(b)
 
     def zero_grad(self) -> None:
         for p in self.params:

@@ -99,7 +99,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
     apply_compile(model, family.parts, t.compile, t.compile_backend, device.type, pipeline)
     data_parallel = build_data_parallel(model, family, mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb,
-                                        param_dtype(t))
+                                        param_dtype(t), cfg.parallel.overlap_param_gather)
     if pipeline is not None and data_parallel is not None and data_parallel.main_params:
         after_weight_passes(pipeline, data_parallel.absorb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)

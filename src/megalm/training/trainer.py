@@ -268,6 +268,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the same eval_steps global batches of validation data every time (the
         model's metrics, averaged the same way, in `val_metrics`)."""
+        self._settle_weights()
         self.model.eval()
         loader = MicroBatchLoader(self.data.valid, micro_batch_size=self.cfg.micro_batch_size,
                                   global_batch_size=self.cfg.global_batch_size,
@@ -304,6 +305,12 @@ class Trainer:
                      f" ({', '.join(shown)})" if shown else "")
 
     # -- the loop --------------------------------------------------------------------------------
+    def _settle_weights(self) -> None:
+        """The weights complete before they are read outside a training forward (parallel.overlap_param_gather
+        leaves the update's all-gathers running into the next forward)."""
+        if self.data_parallel is not None:
+            self.data_parallel.wait_params()
+
     def _peak_memory(self) -> Dict[str, Any]:
         """Peak memory of this rank, and of every rank when distributed (they differ by stage)."""
         mine = peak_memory_bytes(self.device) / 2**30
@@ -395,6 +402,7 @@ class Trainer:
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
                 signalled = not last and self._stop_requested()
                 if self.checkpointer.due(self.step, last or exiting or signalled):
+                    self._settle_weights()
                     self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel,
                                            self.layout)
                     self.throughput.reset()  # do not charge the save to the next report's tokens/s
@@ -407,6 +415,7 @@ class Trainer:
                              self.step, why)
                     break
             self.checkpointer.finish()  # an async save still being written lands before the exit
+        self._settle_weights()  # the model is whole when fit returns
         bar.close()
         self.metrics.close()
         return self.val_loss
