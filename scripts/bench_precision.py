@@ -3,8 +3,9 @@
 Both modes train the same GPT (same weights, same micro-batches) in rounds that alternate which mode
 goes first; each round profiles `--steps` steps of `--micro-batches` micro-batches per mode. Reported,
 as medians over rounds: the step time, the part of it in matmuls and attention (the same kernels in both
-modes), the rest (casts, gradient accumulation, norms, losses: what the modes change), and the model
-state each mode holds (weights, gradients, optimizer state with the main parameters).
+modes), the rest (casts, gradient accumulation, norms, losses: what the modes change), the model
+state each mode holds (weights, gradients, optimizer state with the main parameters) and the bytes autograd
+saves for backward over one micro-batch (its activations, autocast's weight copies among them).
 
     python scripts/bench_precision.py                       # hidden 256, 4 layers, ~1-2 min on 2 cores
     python scripts/bench_precision.py --hidden 512 --layers 8 --json out.json
@@ -57,6 +58,29 @@ def _step(model, dp, optimizer, batches, zero: bool = True) -> None:
         optimizer.zero_grad(set_to_none=True)
 
 
+def _saved_bytes(model, dp, batch) -> int:
+    """Bytes autograd keeps for backward after one micro-batch's forward: each storage counted once, the weights'
+    own storages left out (model state, not activations). Then the backward runs and the gradients are dropped."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(batch[:, :-1], labels=batch[:, 1:])
+    loss.backward()
+    if dp is not None:
+        dp.finish()
+        dp.zero_grad()
+    model.zero_grad(set_to_none=True)
+    return sum(seen.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=256)
@@ -98,12 +122,15 @@ def main() -> None:
         state = measured_model_state_bytes(model, optimizer, dp)
         out["modes"][name] = {k: statistics.median(r[k] for r in rows[name]) for k in rows[name][0]}
         out["modes"][name]["model_state_bytes_per_param"] = (state["weights"] + state["grads"] + state["optimizer"]) / state["params"]
+        optimizer.zero_grad(set_to_none=True)
+        out["modes"][name]["saved_bytes_per_microbatch"] = _saved_bytes(model, dp, batches[0])
     a, m = out["modes"]["autocast"], out["modes"]["main_params"]
-    print(f"{'':14}{'step ms':>10}{'matmul+attn':>13}{'rest ms':>10}{'state B/param':>15}")
+    print(f"{'':14}{'step ms':>10}{'matmul+attn':>13}{'rest ms':>10}{'state B/param':>15}{'saved MiB/mb':>14}")
     for name, v in out["modes"].items():
         print(f"{name:14}{v['step_ms']:>10.1f}{v['matmul_attention_ms']:>13.1f}{v['rest_ms']:>10.1f}"
-              f"{v['model_state_bytes_per_param']:>15.2f}")
-    print(f"main_params / autocast: step {m['step_ms'] / a['step_ms']:.3f}, rest {m['rest_ms'] / a['rest_ms']:.3f}")
+              f"{v['model_state_bytes_per_param']:>15.2f}{v['saved_bytes_per_microbatch'] / 2**20:>14.2f}")
+    print(f"main_params / autocast: step {m['step_ms'] / a['step_ms']:.3f}, rest {m['rest_ms'] / a['rest_ms']:.3f}, "
+          f"saved activations {m['saved_bytes_per_microbatch'] / a['saved_bytes_per_microbatch']:.3f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

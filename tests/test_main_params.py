@@ -217,3 +217,35 @@ def test_main_params_checkpoints_keep_fp32_weights(tmp_path):
         assert not torch.equal(w, w.bfloat16().float()), name  # fp32 values that bf16 cannot hold
         assert torch.equal(weights[main_copy][name], w), name
         assert torch.equal(weights[fp32_copy][name], w), name
+
+
+@pytest.mark.parametrize("kind", ["layernorm", "rmsnorm"])
+def test_norms_run_in_the_weights_low_precision_with_autocast_off(kind, monkeypatch):
+    """A norm over a bf16 input with bf16 weights runs in bf16 with autocast off, so that CUDA's autocast (which
+    lists layer_norm among its fp32 ops) does not keep an fp32 copy of the input; the kernel is watched for the
+    autocast state it runs under, as CPU's autocast leaves norms alone either way. fp32 weights (autocast mode)
+    run as autocast decides, and give the same numbers as before (torch's own module)."""
+    import torch.nn.functional as F
+    from megalm.config import ModelConfig
+    from megalm.models.layers import build_norm
+    op = "layer_norm" if kind == "layernorm" else "rms_norm"
+    seen = []
+    real = getattr(F, op)
+
+    def watched(*args, **kwargs):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, op, watched)
+    norm = build_norm(ModelConfig(hidden_size=8, normalization=kind))
+    reference = torch.nn.LayerNorm(8, eps=norm.eps) if kind == "layernorm" else torch.nn.RMSNorm(8, eps=norm.eps)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+        reference.weight.copy_(norm.weight)
+    x = torch.randn(2, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(norm(x), reference(x))  # fp32 weights: unchanged
+        assert seen == [True, True]
+        norm.to(torch.bfloat16)
+        y = norm(x.bfloat16())
+    assert seen[2:] == [False] and y.dtype == torch.bfloat16

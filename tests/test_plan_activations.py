@@ -34,6 +34,9 @@ BERT = ["model=bert_tiny", *SHAPE]
 POST = [*BERT, "model.norm_position=post"]
 DROPOUT = ["model.dropout=0.1", "model.attention_dropout=0.1"]  # CPU: dropout noise, SDPA's math path
 UNFUSED = "model.attention_backend=unfused"
+# Megatron's mixed precision: bf16 weights (so a bf16 residual stream, norms on bf16 inputs, no weight copies) beside
+# fp32 main parameters and gradients in the data-parallel buckets.
+MAIN = ["trainer.precision=bf16", "trainer.mixed_precision=main_params"]
 # Multi-rank layouts run at dp = 2 on one set of four ranks: a data-parallel replica changes no rank's
 # activations, only the micro-batches per step (global_batch / (micro_batch * dp)), which this checks too.
 TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
@@ -77,6 +80,11 @@ SINGLE = {
     # tokens x k rows whatever the router picks; with a capacity, k = E sends every token to every expert, so
     # each expert's share (and what it drops) is known.
     **{f"moe{name}": [*MOE, *extra] for name, extra in MOE_CASES.items()},
+    "gpt2-main": [*GPT2, *MAIN], "llama-main-dropout": [*LLAMA, *MAIN, *DROPOUT],
+    "gpt2-main-full": [*GPT2, *MAIN, "parallel.recompute=full"],
+    "llama-main-selective": [*LLAMA, *MAIN, "parallel.recompute=selective"],
+    "bert-main": [*BERT, *MAIN], "bert-post-main-dropout": [*POST, *MAIN, *DROPOUT],
+    "llama-main-unfused": [*LLAMA, *MAIN, UNFUSED], "moe-main-dropout": [*MOE, *MAIN, "model.dropout=0.1"],
 }
 MULTI = {
     "gpt2-tp2": [*GPT2, *TP2], "llama-tp2": [*LLAMA, *TP2],
@@ -107,6 +115,12 @@ MULTI = {
     # Expert tensor parallelism: each tp rank runs both tp ranks' rows through its slices of the experts (every
     # rank routes its tokens x k rows, so the rows a rank runs are known); with ep (k = E: every rank receives
     # as many rows as it sends) the rows come from the ep exchange first.
+    # Megatron's mixed precision under sp with hidden dropout: Korthikanti's 34sbh/t a layer (SDPA: no score terms),
+    # which test_megatron_mixed_precision_keeps_korthikantis_figure also holds the planner to at CUDA's dropout masks.
+    "gpt2-tp2-sp-main-dropout": [*GPT2, *TP2, "parallel.sequence_parallel=true", *MAIN, "model.dropout=0.1"],
+    "llama-tp2-sp-main-full": [*LLAMA, *TP2, "parallel.sequence_parallel=true", *MAIN, "parallel.recompute=full"],
+    "bert-tp2-sp-main": [*BERT, *TP2, "parallel.sequence_parallel=true", *MAIN],
+    "gpt2-pp2-main-zbv": [*GPT2, *PP2, *MAIN, *SCHEDULES[4]], "llama-cp2-main": [*LLAMA, *CP2, *MAIN],
     "moe-tp2-etp": [*MOE, *TP2, "parallel.expert_tp=2"],
     "moe-tp2-ep2-etp-sp-bf16": [*MOE, *TP2, "parallel.ep=2", "parallel.expert_tp=2", "parallel.sequence_parallel=true",
                                 "model.moe_router_topk=4", "trainer.precision=bf16"],
@@ -191,10 +205,10 @@ def measure(cfg, world: int) -> int:
     import torch
     from megalm.distributed.mesh import ParallelDims, build_mesh
     from megalm.models import build_model, family_of, init_weights
-    from megalm.parallel import materialize, parallelize
+    from megalm.parallel import build_data_parallel, materialize, parallelize
     from megalm.parallel.context import weighted_loss
     from megalm.parallel.pipeline import build_pipeline
-    from megalm.training.precision import autocast
+    from megalm.training.precision import autocast, param_dtype
     dims = ParallelDims.from_config(cfg.parallel, world)
     mesh = build_mesh(dims, "cpu")
     model = build_model(cfg.model, "meta")
@@ -212,6 +226,12 @@ def measure(cfg, world: int) -> int:
     if layout.pipelined:
         pipeline = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel, m, torch.device("cpu"))
         joined = {k: torch.cat([mb[k] for mb in micro]) for k in micro[0]}
+    # trainer.mixed_precision=main_params: the weights in the buckets' bf16 buffers, the main gradients beside them
+    dp = None
+    if param_dtype(t) is not None:
+        p = cfg.parallel
+        dp = build_data_parallel(model, family_of(model.cfg.arch), mesh if world > 1 else None, layout, p.zero_stage,
+                                 p.bucket_size_mb, param_dtype(t))
 
     def step():
         if pipeline is not None:
@@ -222,6 +242,9 @@ def measure(cfg, world: int) -> int:
                 with autocast(t.precision, "cpu"):
                     loss = weighted_loss(model.loss(model(*(mb[k] for k in inputs)), mb), mb) / m
                 loss.backward()
+        if dp is not None:
+            dp.finish()
+            dp.zero_grad()
         model.zero_grad(set_to_none=True)
 
     step()  # shapes inferred, RoPE tables cached
@@ -271,6 +294,28 @@ def test_in_flight_follows_the_schedule():
     assert got["gpt2-pp2-gpipe"] == [4, 4] and got["gpt2-pp2-1f1b"] == [2, 1]
     assert got["gpt2-pp2-interleaved_1f1b"] == [(2 * 1 + 2 + 1) / 2, (2 + 1) / 2]
     assert got["gpt2-pp2-interleaved_zb"] == [2, 2] and got["gpt2-pp2-zbv"] == [2, 2]
+
+
+def test_megatron_mixed_precision_keeps_korthikantis_figure():
+    """Korthikanti et al. (arXiv:2205.05198, sec. 4.2.2, Table 2): a GPT layer under tensor and sequence parallelism
+    with dropout keeps 34sbh/t bytes in 16-bit precision besides the attention scores (the 5as^2b/t that fused
+    attention does not keep), and full recomputation 2sbh/t. The planner, held to the saved tensors above (CPU) and
+    asked for CUDA's kernels (a 1-byte dropout mask, torch's fused norms), gives those figures for GPT-3 175B at
+    tp 8 under trainer.mixed_precision=main_params within 2% (the log-sum-exp and norm statistics, a few bytes a
+    token, are the rest); under autocast, whose residual stream is fp32, each of the two norms keeps its input in
+    fp32, 2sbh/t more apiece: 38, and the recomputed layer's input 4sbh/t."""
+    from megalm.plan.activations import layer_activation_bytes
+    over = ["model=gpt_175b", "parallel=tp8_pp16", "parallel.sequence_parallel=true", "model.dropout=0.1",
+            "model.attention_dropout=0.1", "trainer.precision=bf16", "trainer.micro_batch_size=1",
+            "trainer.global_batch_size=16"]
+    cfg, world = plan_config([*over, "trainer.mixed_precision=main_params"])
+    m = cfg.model
+    unit = m.seq_length * m.hidden_size / 8  # s b h / t, b = 1
+    assert layer_activation_bytes(cfg, world, device="cuda") / unit == pytest.approx(34, rel=TOLERANCE)
+    assert layer_activation_bytes(cfg, world, "full", device="cuda") / unit == 2
+    autocast, world = plan_config([*over, "trainer.mixed_precision=autocast"])
+    assert layer_activation_bytes(autocast, world, device="cuda") / unit == pytest.approx(38, rel=TOLERANCE)
+    assert layer_activation_bytes(autocast, world, "full", device="cuda") / unit == 4
 
 
 def test_bad_inputs_are_clear_errors():

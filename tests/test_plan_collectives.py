@@ -5,10 +5,11 @@ after the optimizer step equals exact_model_state_bytes exactly, padding include
 
 GPT language models and BERT's pretraining (its layouts name model=bert_tiny; the rest are GPT's), and
 context parallelism (the ring's sends, gradients and ZeRO shards over dp x cp), mixtures of experts (expert
-parallelism, expert tensor parallelism, both, with ZeRO 0-3). One launch of 2 ranks runs every 2-rank layout
-in turn, one of 8 ranks tp2_pp2_dp2 (sequence parallel with ZeRO-1, then ZeRO-3), tp2_pp2 at cp2, dp4 x ep2
-at cp2, and ep2 with expert tp at tp2_pp2_dp2 (sequence parallel) and tp2 x dp4 (ZeRO-3); the single processes
-run here.
+parallelism, expert tensor parallelism, both, with ZeRO 0-3), each family and parallelism also under
+trainer.mixed_precision=main_params (MAIN). One launch of 2 ranks runs every 2-rank layout in turn, one of 8
+ranks tp2_pp2_dp2 (sequence parallel with ZeRO-1, then ZeRO-3), tp2_pp2 at cp2, dp4 x ep2 at cp2, ep2 with
+expert tp at tp2_pp2_dp2 (sequence parallel) and tp2 x dp4 (ZeRO-3), and under main_params tp2_pp2_dp2 and
+dp4 x ep2 at cp2; the single processes run here.
 Each layout runs a step first (the pipeline's shape inference, the buckets learning how many accumulations a
 step makes) and is measured in its second.
 """
@@ -31,6 +32,10 @@ LLAMA = ["model.position_embedding=rope", "model.normalization=rmsnorm", "model.
          "model.bias=false", "model.tie_embeddings=false", "model.num_query_groups=2"]
 MOE = ["model=moe_tiny", "model.num_layers=4", "model.moe_router_topk=4"]
 NEOX = ["model=neox_tiny", "model.num_layers=4"]
+# Megatron's mixed precision: bf16 weights (ZeRO gathers them in bf16; the residual stream, so the embedding's, the
+# stage boundaries' and sp's gradient collectives, in bf16), fp32 main gradients in the buckets (reduced in fp32,
+# a single process and dp = 1 holding buckets too, with no all-reduce over one rank) and fp32 main parameters.
+MAIN = ["trainer.precision=bf16", "trainer.mixed_precision=main_params"]
 # Odd widths and a bucket per parameter: buckets of odd length, padded to a multiple of dp.
 ODD = ["model.hidden_size=33", "model.num_attention_heads=3", "parallel.bucket_size_mb=0.0001"]
 TWO_RANKS = [
@@ -67,8 +72,9 @@ TWO_RANKS = [
     ["parallel.cp=2", *LLAMA, "trainer.precision=bf16", "parallel.recompute=full", "model.dropout=0.1"],
     ["parallel.cp=2", "parallel.recompute=selective", "trainer.precision=fp16", "trainer.loss_scale=128"],
     # Mixtures of experts (k = E: every token to every expert, so each rank sends and receives exactly the
-    # planned rows): expert parallelism's all-to-alls and the experts' buckets over dp / ep (here one rank,
-    # which still reduces), ZeRO-1 shards there, full recomputation replaying the dispatch, a capacity;
+    # planned rows): expert parallelism's all-to-alls and the experts' buckets over dp / ep (here one rank:
+    # ZeRO-0 skips the all-reduce over one), ZeRO-1 shards there, full recomputation replaying the dispatch,
+    # a capacity;
     # under tp each rank's shard (cut and gathered without sp), the router and experts summed over tp, the
     # routing counts over tp or cp; ZeRO-3 units of experts; the routing report over pp.
     [*MOE, "parallel=dp2", "parallel.ep=2"],
@@ -91,6 +97,17 @@ TWO_RANKS = [
     # rotary): the same column -> row pairs a layer, so the decoder formulas count its collectives and state.
     [*NEOX, "parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
     [*NEOX, "parallel=pp2", "parallel.pipeline_schedule=1f1b"],
+    *([*MAIN, *o] for o in (
+        ["parallel=dp2", "parallel.zero_stage=0", *ODD], ["parallel=dp2", "parallel.zero_stage=1", *ODD],
+        ["parallel=dp2", "parallel.zero_stage=2", *LLAMA], ["parallel=dp2", "parallel.zero_stage=3", *ODD],
+        ["parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
+        ["parallel=tp2", "parallel.sequence_parallel=true", *LLAMA, "parallel.recompute=full", "model.dropout=0.1"],
+        ["parallel=tp2", *LLAMA], ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"],
+        ["parallel.cp=2", "parallel.zero_stage=1", *LLAMA], [*MOE, "parallel=dp2", "parallel.ep=2"],
+        [*MOE, "parallel=tp2", "parallel.expert_tp=2", "parallel.sequence_parallel=true"],
+        [*MOE, "parallel=tp2", "parallel.recompute=full", "model.dropout=0.1"],
+        [*BERT, "parallel=tp2", "parallel.sequence_parallel=true"],
+        [*BERT, "parallel=pp2", "parallel.pipeline_schedule=1f1b"])),
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
@@ -104,7 +121,10 @@ EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "para
                [*MOE, "parallel=tp2_pp2_dp2", "parallel.ep=2", "parallel.expert_tp=2",
                 "parallel.sequence_parallel=true"],
                [*MOE, "parallel=tp2", "parallel.dp=4", "parallel.ep=2", "parallel.expert_tp=2",
-                "parallel.zero_stage=3"]]
+                "parallel.zero_stage=3"],
+               [*MAIN, "parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
+               # the experts' ZeRO-0 all-reduce over (dp / ep) x cp = 4 ranks, of fp32 main gradients
+               [*MAIN, *MOE, "parallel=dp4", "parallel.cp=2", "parallel.ep=2"]]
 
 
 def _compose(overrides):
@@ -130,6 +150,8 @@ def _step_on_this_rank(world, cfg):
     from megalm.training.memory import measured_model_state_bytes
     from megalm.training.metrics import Throughput
     from megalm.training.optim import LRSchedule, build_optimizer
+    from megalm.training.precision import param_dtype
+    from megalm.parallel.pipeline import after_weight_passes
     from megalm.training.trainer import Trainer
     t, device = cfg.trainer, torch.device("cpu")
     torch.manual_seed(t.seed)
@@ -148,7 +170,10 @@ def _step_on_this_rank(world, cfg):
         from megalm.parallel.pipeline import build_pipeline
         pipeline = build_pipeline(model, family_of(model.cfg.arch), layout, mesh["pp"].get_group(), cfg.parallel,
                                   t.global_batch_size // (t.micro_batch_size * dims.dp), device)
-    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, cfg.parallel.zero_stage, cfg.parallel.bucket_size_mb)
+    dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, cfg.parallel.zero_stage,
+                             cfg.parallel.bucket_size_mb, param_dtype(t))
+    if pipeline is not None and dp is not None and dp.main_params:
+        after_weight_passes(pipeline, dp.absorb)
     optimizer = build_optimizer(cfg.optimizer, model, dp)
     with tempfile.TemporaryDirectory() as tmp:
         trainer = Trainer(t, model=model, family=family, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, 2), data=data,
@@ -220,7 +245,8 @@ def measured():
     return out
 
 
-SINGLE = {"single": ["parallel=single"], "bert single": [*BERT, "parallel=single"]}
+SINGLE = {"single": ["parallel=single"], "bert single": [*BERT, "parallel=single"],
+          "main single": [*MAIN, "parallel=single"]}
 CASES = [(i, o) for i, o in enumerate(TWO_RANKS + EIGHT_RANKS)] + list(SINGLE.items())
 
 

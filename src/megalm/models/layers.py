@@ -22,8 +22,36 @@ from megalm.ops.embedding import lookup
 
 def build_norm(cfg: ModelConfig) -> nn.Module:
     if cfg.normalization == "rmsnorm":
-        return nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+        return RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
+    return LayerNorm(cfg.hidden_size, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def _in_weight_dtype(forward: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                     weight: Optional[torch.Tensor]) -> torch.Tensor:
+    """A norm over a half-precision input with weights of that dtype (trainer.mixed_precision=main_params) runs in
+    that dtype with autocast off: CUDA's autocast would cast input and weights to fp32 and keep the fp32 copy of the
+    input for backward, twice the bytes; the kernels accumulate the statistics in fp32 either way. As Megatron's
+    fused norms do, the input is kept in the compute dtype. Any other input (fp32, or half precision against fp32
+    weights under trainer.mixed_precision=autocast) runs as autocast decides, unchanged."""
+    if weight is None or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float16) \
+            or not torch.is_autocast_enabled(x.device.type):
+        return forward(x)
+    with torch.autocast(x.device.type, enabled=False):
+        return forward(x)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm, kept in the compute dtype under low-precision weights (`_in_weight_dtype`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _in_weight_dtype(super().forward, x, self.weight)
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm, kept in the compute dtype under low-precision weights (`_in_weight_dtype`)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _in_weight_dtype(super().forward, x, self.weight)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float, device=None) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -300,7 +300,7 @@ class DataParallel:
                     self._add_to_main(p)
 
     def _ready(self, p: nn.Parameter) -> None:
-        bucket, off = self.where[p]
+        bucket = self.where[p][0]
         dst = self._main_grad(p)
         if self.main_params:
             self._add_to_main(p)  # accumulated in place already; a gradient no hook saw joins here
@@ -315,7 +315,7 @@ class DataParallel:
             self._launch(bucket)
 
     def _launch(self, b: Bucket) -> None:
-        if b.group is None:  # a single process: nothing to reduce
+        if b.group is None or (b.world == 1 and not self.sharded):  # one rank: nothing to sum
             return
         if self.sharded:
             b.work = bucket_reduce_scatter(b.grad_shard, b.grad, b.group, async_op=True)

@@ -41,13 +41,18 @@ from megalm.plan.shapes import FP32, INT64, _Shape, _shape
 #   (`_weight_copy_bytes`);
 # - training runs fp32 by default; with bf16 / fp16 autocast the residual stream, norms, the log-softmax
 #   and the statistics stay fp32, and each linear keeps a half-precision copy of its input and its weight;
+#   with trainer.mixed_precision=main_params (Megatron's: weights in the compute dtype) the residual stream
+#   and the norms' inputs are in the compute dtype (`_Shape.r`; the norms run with autocast off,
+#   megalm.models.layers.LayerNorm), no linear keeps a weight copy, and a GPT layer under sp with dropout
+#   keeps the paper's 34sbh/t on CUDA's kernels (tests/test_plan_activations.py holds the planner to it);
 # - selective recomputation wraps the attention core (Parts.selective): with fused attention that saves
 #   only the log-sum-exp, the GQA-repeated keys and values and, after RoPE, SDPA's own output; not 5as/h.
 # - packed sequences (data.packing: a mask per example, position ids) are not modeled;
 # - a mixture of experts (`moe_kept_bytes`) keeps per routed (token, expert) row what a dense MLP keeps per
-#   token, in fp32 (its grouped matmuls have no autocast rule), plus its routing's indices; the rows a rank
-#   runs depend on the router, and are planned for the balanced case (`moe_rows`); under expert tensor
-#   parallelism a rank runs the rows of all tp ranks through its 1/tp slices of the experts.
+#   token, in the residual stream's dtype (its grouped matmuls have no autocast rule), plus its routing's
+#   indices; the rows a rank runs depend on the router, and are planned for the balanced case (`moe_rows`);
+#   under expert tensor parallelism a rank runs the rows of all tp ranks through its 1/tp slices of the
+#   experts.
 #
 # Context parallelism (parallel.cp, megalm.parallel.context) gives each rank s = seq_length / cp tokens of
 # every sequence, so every per-token term counts those; the attention core is the ring's
@@ -78,16 +83,20 @@ from megalm.plan.shapes import FP32, INT64, _Shape, _shape
 
 
 def _norm(d: _Shape) -> float:
-    """A pre-norm on the residual stream (fp32 under autocast too), per token, over the sequence-parallel region.
-
-    LayerNorm's kernel keeps its input and the fp32 mean and rstd; RMSNorm keeps its input and rstd, and
-    on CPU (torch's composite x * rsqrt(mean(x^2) + eps) * w) also the normalized x its weight multiplies."""
-    return _norm_kept(d, FP32) / d.seq
+    """A pre-norm on the residual stream (its element `d.r`: fp32 under autocast, the compute dtype with low-precision
+    weights), per token, over the sequence-parallel region (see `_norm_kept`)."""
+    return _norm_kept(d, d.r) / d.seq
 
 
 def _norm_kept(d: _Shape, element: int) -> float:
-    """A norm's saves per token over an input of `element` bytes (see `_norm`), not divided by sp."""
-    return d.h * element + (FP32 if d.rmsnorm else 2 * FP32) + (d.h * element if d.rmsnorm and d.cpu else 0)
+    """A norm's saves per token over an input of `element` bytes, not divided by sp. LayerNorm's kernel keeps its
+    input and the mean and rstd: fp32, except on CPU with low-precision weights, where the kernel returns them in
+    the weights' dtype. RMSNorm on CUDA (torch's fused kernel) keeps its input and an fp32 rstd; on CPU torch's
+    composite x * rsqrt(mean(x^2) + eps) * w works in fp32 whatever the input's dtype, and keeps the input upcast,
+    the normalized x its weight multiplies and rstd, all fp32."""
+    if d.rmsnorm:
+        return 2 * d.h * FP32 + FP32 if d.cpu else d.h * element + FP32
+    return d.h * element + 2 * (d.e if d.main and d.cpu else FP32)
 
 
 def _mlp(d: _Shape) -> float:
@@ -99,10 +108,10 @@ def _mlp(d: _Shape) -> float:
 
 def _hidden_dropout(d: _Shape) -> float:
     """The dropout after each row-parallel linear (attention output, MLP output), on the sequence shard
-    under sp. Its input is the compute dtype, or fp32 when tp's row-parallel bias is added after autocast."""
+    under sp. Its input is the compute dtype, or fp32 when tp's row-parallel fp32 bias is added after autocast."""
     if d.dropout <= 0:
         return 0.0
-    element = FP32 if d.autocast and d.t > 1 and d.bias else d.e
+    element = FP32 if d.autocast and not d.main and d.t > 1 and d.bias else d.e
     return 2 * d.h * d.mask(element) / d.seq
 
 
@@ -112,7 +121,7 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
     `recompute` overrides parallel.recompute (none | selective | full); `device` (cpu | cuda) defaults to
     trainer.device (auto: cuda). Per token, times s*b:
     - norms: the two pre-norms (see `_norm`), / t under sequence parallelism; BERT's post-norms (norm1 after
-      the attention's residual, norm2 after the MLP's) keep the same: an fp32 residual sum and its statistics;
+      the attention's residual, norm2 after the MLP's) keep the same: a residual sum (`_Shape.r`) and its statistics;
     - linear_inputs: the inputs of qkv and fc1, h each in the compute dtype: the norm's output (a copy under
       autocast), whole under tp (a view behind Megatron's f), the sequence shard under sp (gathered again in
       backward); under post-norm the qkv input is the layer's input (the previous norm2's output, or the
@@ -120,14 +129,15 @@ def layer_terms(cfg, world: int, recompute: Optional[str] = None, device: Option
     - attention: `_attention_core`, or under context parallelism `ring_attention_bytes` (its chunk pairs'
       scores, the k and v it saw, the RoPE tables at its positions); key_mask: `_key_mask` (BERT); mlp:
       `_mlp`; dropout: `_hidden_dropout`;
-    - full recomputation: only the block input the checkpoint saves, h fp32 (/ t under sp); BERT's key mask,
+    - full recomputation: only the block input the checkpoint saves, h in the residual stream's dtype (fp32
+      under autocast, the compute dtype under main_params; / t under sp); BERT's key mask,
       its other input, is one bool tensor a stage shares (`stage_activation_bytes`).
     """
     d = _shape(cfg, world, device)
     mode = cfg.parallel.recompute if recompute is None else recompute
     tokens = d.s * d.b
     if mode == "full":
-        return {"layer_input": tokens * d.h * FP32 / d.seq}
+        return {"layer_input": tokens * d.h * d.r / d.seq}
     if mode not in ("none", "selective"):
         raise ConfigError(f"recompute={mode} is not one of none, selective, full")
     attention = tokens * _attention_core(d, mode == "selective") if d.cp == 1 else \
@@ -156,13 +166,14 @@ def embedding_bytes(cfg, world: int, device: Optional[str] = None) -> int:
     """What the first stage keeps for one micro-batch before the layers: the token ids its lookup reads
     (int64; under tp the local ids and the out-of-shard mask, 9 bytes; under pp without tp the lookup
     reads a view of the step's joined batch, counted once by `stage_activation_bytes`), the learned
-    positions' ids (s int64), and with dropout its mask on the fp32 embedding, on the sequence shard when
-    sp scatters first (RoPE models reduce-scatter the lookup; learned positions are added before the
-    scatter).
+    positions' ids (s int64), and with dropout its mask on the embedding (the residual stream's dtype), on
+    the sequence shard when sp scatters first (RoPE models reduce-scatter the lookup; learned positions are
+    added before the scatter).
 
     BERT adds its token-type ids (int64, read by a replicated lookup at any tp: a view of the joined batch
-    under pp, counted there) and, under post-norm, the embedding's norm (fp32 input and statistics); its
-    norm and dropout run on the whole sequence, which sp splits after them."""
+    under pp, counted there) and, under post-norm, the embedding's norm (input and statistics, `_norm_kept`); its
+    norm and dropout run on the whole sequence, which sp splits after them (its input in the residual stream's
+    dtype)."""
     d = _shape(cfg, world, device)
     tokens = d.s * d.b
     ids = INT64 + 1 if d.t > 1 else (0 if cfg.parallel.pp > 1 else INT64)
@@ -170,9 +181,9 @@ def embedding_bytes(cfg, world: int, device: Optional[str] = None) -> int:
         ids += 0 if cfg.parallel.pp > 1 else INT64
     kept = tokens * ids + (0 if d.rope else d.s * INT64)
     if d.post_norm:
-        kept += tokens * _norm_kept(d, FP32)
+        kept += tokens * _norm_kept(d, d.r)
     if d.dropout > 0:
-        kept += tokens * d.h * d.mask(FP32) / (d.seq if d.rope else 1)
+        kept += tokens * d.h * d.mask(d.r) / (d.seq if d.rope else 1)
     return round(kept)
 
 
@@ -219,10 +230,11 @@ def _bert_head(d: _Shape) -> float:
       alive; the sentence-order loss's fp32 log-softmax of 2 and int64 target.
     Korthikanti et al. count the layers only; Megatron's BERT has the same heads."""
     tokens, seqs, h, e = d.s * d.b, d.b, d.h, d.e
-    norm_in = e if d.autocast and d.cpu else FP32
+    norm_in = e if (d.autocast and d.cpu) or d.main else FP32
     kept = tokens * ((0 if d.post_norm else _norm(d)) + (2 * h * e + _norm_kept(d, norm_in)) / d.seq + h * e / d.seq)
     if d.binary_head:
-        kept += seqs * (h * e + (h * 2 if d.autocast else 0) + (d.s * h * FP32 if d.sp and not d.autocast else 0))
+        copy = d.autocast and not d.main  # the pooler casts token 0 of an fp32 stream, or views the stream
+        kept += seqs * (h * e + (h * 2 if copy else 0) + (d.s * h * d.r if d.sp and not copy else 0))
         kept += seqs * (2 * FP32 + INT64)
     return kept
 
@@ -238,7 +250,7 @@ def _weight_copy_bytes(d: _Shape, layers: int, last: bool) -> int:
     BERT's last stage adds its replicated MLM dense and, with the binary head, the pooler's and the head's.
     A mixture of experts has none in place of fc1's and fc2's: its router runs in fp32 with autocast off, and
     the experts' grouped_mm has no autocast rule (fp32 rows by fp32 weights)."""
-    if not d.autocast:
+    if not d.autocast or d.main:  # fp32, or the weights already in the compute dtype: no copies
         return 0
     column = d.h * (d.h + 2 * d.kv) + (0 if d.experts else d.h * d.f * (2 if d.swiglu else 1))  # qkv, fc1
     per_layer = d.h * d.h + (0 if d.experts else d.h * d.f) + (0 if d.sp else column)  # proj, fc2

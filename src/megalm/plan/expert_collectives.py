@@ -7,17 +7,17 @@ from __future__ import annotations
 from megalm.plan.group_collectives import Kinds, _add, _replayed_layers
 from megalm.plan.layout import RankLayout
 from megalm.plan.moe import moe_rows
-from megalm.plan.shapes import FP32, local_tokens, microbatches
+from megalm.plan.shapes import FP32, held_bytes, local_tokens, microbatches
 
 
 def moe_row_bytes(cfg, tp: int) -> int:
     """Bytes of one all-to-all of a MoE layer's rows under expert parallelism, for one micro-batch: the `moe_rows`
-    (token, expert) rows of the rank's routed tokens (b x s / tp), h fp32 each (the norm's output; the experts'
-    output back). Balanced routing: what a rank sends out equals what it receives and sends back. Expert tensor
+    (token, expert) rows of the rank's routed tokens (b x s / tp), h each in the residual stream's dtype (fp32, or
+    the weights' under main_params: `held_bytes`; the norm's output, the experts' output back). Balanced routing: what a rank sends out equals what it receives and sends back. Expert tensor
     parallelism's all-to-alls send tp times this (`expert_tensor_parallel`)."""
     m, t = cfg.model, cfg.trainer
     tokens = t.micro_batch_size * local_tokens(cfg) // tp
-    return moe_rows(tokens, m.num_experts, m.moe_router_topk, m.moe_capacity_factor) * m.hidden_size * FP32
+    return moe_rows(tokens, m.num_experts, m.moe_router_topk, m.moe_capacity_factor) * m.hidden_size * held_bytes(t)
 
 
 def _moe_passes(cfg, lay: RankLayout) -> int:
@@ -66,18 +66,21 @@ def expert_data_parallel(cfg, lay: RankLayout) -> Kinds:
     and ZeRO-1/2's all-gather of each bucket's updated shard after the optimizer step. ZeRO-3 (megalm.parallel.zero3)
     keeps the experts in buckets of their own in each layer's unit, sharded over that group, and gathers them
     over it as `data_parallel` gathers the rest: every micro-batch, in the layer's forward and again in its
-    backward. A group of one rank (dp = ep) still issues them. Without expert parallelism experts are ordinary
-    parameters in the dp buckets (under expert tensor parallelism, their tp slices)."""
+    backward. A group of one rank (dp = ep) still issues ZeRO's; ZeRO-0's all-reduce over one rank is skipped
+    (megalm.parallel.data). Without expert parallelism experts are ordinary parameters in the dp buckets (under
+    expert tensor parallelism, their tp slices). The parameters are gathered in the weights' dtype (`held_bytes`)."""
     kinds: Kinds = {}
     if not lay.expert_buckets:
         return kinds
     z, n = cfg.parallel.zero_stage, len(lay.expert_buckets)
-    shards = sum(c for _, c in lay.expert_buckets) * FP32
-    _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, sum(b for b, _ in lay.expert_buckets) * FP32)
+    shards = sum(c for _, c in lay.expert_buckets) * held_bytes(cfg.trainer)
+    alone = all(size == shard for size, shard in lay.expert_buckets)  # a group of one rank
+    if z > 0 or not alone:
+        _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, sum(b for b, _ in lay.expert_buckets) * FP32)
     if z in (1, 2):
         _add(kinds, "all_gather", n, shards)
     elif z == 3:
         m = microbatches(cfg, lay.dp)
         _add(kinds, "all_gather", m * (lay.zero3_expert_unit_calls + n),
-             m * (sum(lay.zero3_expert_unit_buckets) * FP32 + shards))
+             m * (sum(lay.zero3_expert_unit_buckets) * held_bytes(cfg.trainer) + shards))
     return kinds

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Dict, List, Tuple
 
 from megalm.plan.layout import RankLayout
-from megalm.plan.shapes import FP32, INT64, encoder, local_tokens, microbatches
+from megalm.plan.shapes import FP32, INT64, encoder, held_bytes, local_tokens, microbatches
 
 
 # The collectives of one optimizer step and the exact model state of one rank, as formulas.
@@ -27,7 +27,10 @@ from megalm.plan.shapes import FP32, INT64, encoder, local_tokens, microbatches
 # each micro-batch), L the layers this rank runs. fp32 tensors cost 4 bytes an element;
 # under trainer.precision bf16 / fp16, autocast runs the matmuls in 2-byte floats, so a row-parallel
 # layer's partial sums (and their gradients) are 2 bytes an element, while the embedding, the norms'
-# outputs, the residual stream that crosses pipeline stages and the loss's scalars stay fp32.
+# outputs, the residual stream that crosses pipeline stages and the loss's scalars stay fp32. With
+# trainer.mixed_precision=main_params the weights are held in the 2-byte dtype, so the embedding, the norms'
+# outputs and the residual stream are too (`held_bytes`), and ZeRO gathers the weights in it; the gradient
+# buckets (the fp32 main gradients) and the loss's scalars stay fp32.
 #
 # A step means a step after the first, as the trainer runs it: in the first, torch's pipeline schedules
 # also infer the stages' shapes, which can run a stage's forward once more.
@@ -106,7 +109,7 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     tp, sp = lay.tp, p.sequence_parallel
     b, s, h = t.micro_batch_size, local_tokens(cfg), mdl.hidden_size
     low = 2 if t.precision in ("bf16", "fp16") else 4
-    act, act_low = b * s * h * FP32, b * s * h * low           # (b, s, h): fp32; a matmul's output
+    act, act_low = b * s * h * held_bytes(t), b * s * h * low  # (b, s, h): the residual stream; a matmul's output
     shard, shard_low = act // tp, act_low // tp                # (b, s/tp, h)
     layers = sum(lay.stage_layers)
     replayed = _replayed_layers(cfg, lay) if p.recompute == "full" else 0
@@ -158,10 +161,11 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
 def boundary_messages(cfg, tp: int) -> Tuple[List[int], int]:
     """Bytes of the tensors one micro-batch sends across a stage boundary: forward (the hidden states (b, s, h)
     fp32, (b, s/tp, h) under sp, s the rank's seq_length / cp tokens under context parallelism; BERT's (b, s)
-    int64 padding mask beside them) and backward (the hidden states' gradient)."""
+    int64 padding mask beside them) and backward (the hidden states' gradient). fp32 stands for the residual
+    stream's dtype (`held_bytes`) throughout."""
     mdl, t = cfg.model, cfg.trainer
     seq = local_tokens(cfg) // tp if cfg.parallel.sequence_parallel else local_tokens(cfg)
-    msg = t.micro_batch_size * seq * mdl.hidden_size * FP32
+    msg = t.micro_batch_size * seq * mdl.hidden_size * held_bytes(t)
     return [msg] + ([t.micro_batch_size * mdl.seq_length * INT64] if encoder(mdl) else []), msg
 
 
@@ -229,20 +233,25 @@ def data_parallel(cfg, lay: RankLayout) -> Kinds:
     optimizer step. Stage 3 (sec. 5.3) instead gathers parameters when they are used: every micro-
     batch, each unit's buckets in its forward (a bucket two units share, the tied embedding, once for
     each) and every bucket once in backward. A run of one replica (dp x cp = 1) has no buckets and
-    communicates nothing here. Under expert parallelism the experts' buckets are `expert_data_parallel`'s."""
+    communicates nothing here, except for ZeRO 1-3's collectives over the group of one; under
+    trainer.mixed_precision=main_params it has buckets (the main gradients) but no all-reduce over one rank.
+    The parameters are gathered in the weights' dtype (`held_bytes`: the bf16 / fp16 weights under main_params).
+    Under expert parallelism the experts' buckets are `expert_data_parallel`'s."""
     kinds: Kinds = {}
     if not lay.buckets:
         return kinds
     z = cfg.parallel.zero_stage
     n = len(lay.buckets)
     full = sum(size for size, _ in lay.buckets) * FP32
-    shards = sum(shard for _, shard in lay.buckets) * FP32
-    _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, full)
+    shards = sum(shard for _, shard in lay.buckets) * held_bytes(cfg.trainer)
+    if z > 0 or lay.replicas > 1:  # (an all-reduce over one rank is skipped: megalm.parallel.data)
+        _add(kinds, "all_reduce" if z == 0 else "reduce_scatter", n, full)
     if z in (1, 2):
         _add(kinds, "all_gather", n, shards)
     elif z == 3:
         m = microbatches(cfg, lay.dp)
-        _add(kinds, "all_gather", m * (lay.zero3_unit_calls + n), m * (sum(lay.zero3_unit_buckets) * FP32 + shards))
+        _add(kinds, "all_gather", m * (lay.zero3_unit_calls + n),
+             m * (sum(lay.zero3_unit_buckets) * held_bytes(cfg.trainer) + shards))
     return kinds
 
 

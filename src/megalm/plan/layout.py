@@ -14,6 +14,7 @@ from megalm.models import build_model, family_of
 from megalm.parallel import build_data_parallel, parallelize
 from megalm.parallel.stages import virtual_stages_of
 from megalm.plan.shapes import check_modelled
+from megalm.training.precision import param_dtype
 
 ZERO_BUBBLE = ("interleaved_zb", "zbv")  # weight-gradient passes of their own (no accumulate hooks)
 
@@ -89,7 +90,7 @@ def rank_layout(cfg, world: int, pp_rank: int, tp_rank: int, dp_rank: int = 0, c
     # (it only frees the full gradients sooner): layouts that differ only there share a reading.
     layout_fields = dataclasses.replace(cfg.parallel, recompute="none", recompute_num_layers=None,
                                         zero_stage=1 if cfg.parallel.zero_stage == 2 else cfg.parallel.zero_stage)
-    key = (repr(cfg.model), repr(layout_fields), world, pp_rank, tp_rank, dp_rank, cp_rank)
+    key = (repr(cfg.model), repr(layout_fields), param_dtype(cfg.trainer), world, pp_rank, tp_rank, dp_rank, cp_rank)
     if key not in _CACHE:  # megalm.distributed.mesh's rank order: (pp, dp, cp, tp), tp fastest
         _CACHE[key] = _read_layout(cfg, dims, ((pp_rank * dims.dp + dp_rank) * dims.cp + cp_rank) * dims.tp + tp_rank)
     return _CACHE[key]
@@ -119,10 +120,12 @@ def _read_layout(cfg, dims, rank: int) -> RankLayout:
                       stage_layers=tuple(len(layout.stage_ranges[s]) for s in layout.stage_ids),
                       stage_ids=tuple(layout.stage_ids), owner=owner, params=sum(q.numel() for q in params),
                       param_bytes=sum(q.numel() * q.element_size() for q in params))
-        if mesh is None:
+        # The bucket layout of a run (parallel/data.py, zero3.py), built on the meta device; a single process has
+        # buckets only to hold the main gradients of low-precision weights (trainer.mixed_precision=main_params).
+        dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, p.zero_stage, p.bucket_size_mb,
+                                 param_dtype(cfg.trainer))
+        if dp is None:
             return RankLayout(**fields)
-        # The bucket layout of a run (parallel/data.py, zero3.py), built on the meta device.
-        dp = build_data_parallel(model, family_of(model.cfg.arch), mesh, layout, p.zero_stage, p.bucket_size_mb)
         tied = layout.tied_param(model)
         if dp.sharded:
             grads = [(s.tensor, s.stop - s.start, s.param is tied) for s in dp.shards]

@@ -33,8 +33,9 @@ def _moe_input(d: _Shape) -> float:
     router's linear saves it (fp32 under autocast too: the router runs with autocast off). Without tp that is
     the norm's output itself; under sp the rank's shard; under tp without sp the shard the layer cuts (a
     contiguous copy, except with one sequence a micro-batch, where the shard is a view that keeps the whole
-    (s, h) output alive)."""
-    if d.t > 1 and not d.sp and d.b == 1:
+    (s, h) output alive). With low-precision weights the norm's output is in the compute dtype, and the router's
+    fp32 copy of it (of the shard) is what the linear keeps."""
+    if d.t > 1 and not d.sp and d.b == 1 and not d.main:
         return d.s * d.h * FP32
     return _moe_tokens(d) * d.h * FP32
 
@@ -44,10 +45,12 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     parallelism megalm.parallel.experts.dispatch, under expert tensor parallelism run_experts) saves for
     backward besides its input, for one micro-batch on one rank, by part. N tokens routed by the rank
     (`_moe_tokens`), R = `moe_rows` assignments (the balanced case), E experts (E / ep on the rank), k a
-    token, f the ffn width; the rows are fp32 (the norm's output; grouped_mm has no autocast rule, so the
-    experts run in fp32 under bf16 / fp16 too).
+    token, f the ffn width; the rows are in the residual stream's dtype (`_Shape.r`, the norm's output): fp32 under
+    autocast (grouped_mm has no autocast rule, so the experts run in fp32 under bf16 / fp16 too), the compute
+    dtype with low-precision weights.
 
-    router: in fp32 (autocast off), at every precision. Kept: top-k's int64 indices (N k); softmax scoring the
+    router: in fp32 (autocast off), at every precision. Kept: top-k's int64 indices (N k); with low-precision
+    weights the router weight's fp32 copy (E h) its linear multiplied with; softmax scoring the
     softmax of the top k (N k); sigmoid scoring the scores (N E) and, for k > 1, the top k and their sum
     (N k + N) of the renormalisation; with the load-balancing loss the softmax probabilities (N E) and the
     expert shares it multiplies them by (E); with the z-loss logsumexp's input and output (N E + N).
@@ -65,10 +68,10 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     and the gathered rows' grouping by expert keeps its order and inverse (T R int64 each); fc2's output is
     not kept (the all-to-all returning each rank its rows' partial sums takes it), and the sum of the
     partials (R h) is what the weighting keeps, or under ep what goes back (the new tensor above).
-    dropout: with model.dropout, the MoE output's mask (N h, fp32 noise on CPU, a bool on CUDA)."""
+    dropout: with model.dropout, the MoE output's mask (N h, noise of the rows' dtype on CPU, a bool on CUDA)."""
     N, E, k, h, f = _moe_tokens(d), d.experts, d.topk, d.h, d.f
     R = moe_rows(N, E, k, d.capacity)
-    router = N * k * INT64
+    router = N * k * INT64 + (E * h * FP32 if d.main else 0)  # low-precision weights: the router's fp32 copy
     if d.sigmoid:
         router += N * E * FP32 + ((N * k + N) * FP32 if k > 1 else 0)
     else:
@@ -81,10 +84,10 @@ def moe_kept_bytes(d: _Shape) -> Dict[str, float]:
     T = d.expert_tp
     # the order and each row's token, the offsets; fc1's input rows, the activation, the weighting's input
     # (fc2's output, or the rows back), the gathered weights; the weighted rows
-    experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + (T * R * h + R * (width + h + 1)) * FP32 + R * h * FP32
+    experts = N * k * INT64 + R * INT64 + E // d.ep * 4 + (T * R * h + R * (width + h + 1)) * d.r + R * h * d.r
     if d.ep > 1:  # the received rows grouped by expert and back
         experts += 2 * R * INT64
     if T > 1:  # the tp ranks' rows grouped by expert and back
         experts += 2 * T * R * INT64
-    dropout = N * h * d.mask(FP32) if d.dropout > 0 else 0.0
+    dropout = N * h * d.mask(d.r) if d.dropout > 0 else 0.0
     return {"router": router, "experts": experts, "dropout": dropout}

@@ -11,6 +11,7 @@ from megalm.distributed.mesh import ParallelDims
 from megalm.errors import ConfigError
 from megalm.models.registry import family_of
 from megalm.ops.attention import attention_backend
+from megalm.training.precision import param_dtype
 
 FP32 = 4
 INT64 = 8
@@ -72,6 +73,13 @@ class _Shape:
     expert_tp: int = 1        # expert tensor parallelism (parallel.expert_tp): each expert split over tp
     unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
     fused_head: bool = False  # model.fused_loss: the head's matmul inside the chunked loss (its input gathered whole)
+    main: bool = False        # trainer.mixed_precision=main_params in bf16 / fp16: the weights are in the compute dtype
+
+    @property
+    def r(self) -> int:
+        """Bytes of a residual-stream element: fp32 under autocast (fp32 weights and embeddings, so the residual
+        sums stay fp32), the compute dtype with low-precision weights (`main`), as in Megatron."""
+        return self.e if self.main else FP32
 
     @property
     def seq(self) -> int:
@@ -114,12 +122,6 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
     bert = kind == "encoder"
     if bert and m.fine_tuning_head:
         raise ConfigError(_BERT_FINE_TUNING)
-    if tr.mixed_precision == "main_params" and tr.precision in ("bf16", "fp16"):
-        # bf16 weights change what is saved (no weight copies; a bf16 residual stream and norm inputs), the
-        # traffic and the ZeRO gathers: counted by the formula for model state only, until these are derived.
-        raise ConfigError(f"activation memory, traffic and collectives under trainer.mixed_precision=main_params "
-                          f"(trainer.precision={tr.precision}) are not modelled yet, only its model state (2 + 4 + 12/dp "
-                          f"bytes a parameter under ZeRO-1); trainer.mixed_precision=autocast is modelled whole")
     if m.transformer_impl != "local" or tr.precision not in ("fp32", "bf16", "fp16"):
         raise ConfigError(f"activation memory is derived for transformer_impl=local in fp32 / bf16 / fp16; got "
                           f"model.transformer_impl={m.transformer_impl}, trainer.precision={tr.precision}")
@@ -145,7 +147,27 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   aux=getattr(m, "moe_aux_loss_coeff", 0.0) > 0, z=getattr(m, "moe_z_loss_coeff", 0.0) > 0,
                   capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
                   expert_tp=p.expert_tp if dims.tp > 1 else 1, fused_head=getattr(m, "fused_loss", False),
-                  unfused=_unfused(m, tr, device))
+                  unfused=_unfused(m, tr, device),
+                  main=param_dtype(tr) is not None)
+
+
+def held_bytes(trainer) -> int:
+    """Bytes of a weight element as the run holds it (fp32, or the compute dtype's 2 under
+    trainer.mixed_precision=main_params), and so of the residual stream the embedding's lookup starts: the hidden
+    states between layers, what crosses pipeline stages and the tp collectives outside the matmuls."""
+    low = param_dtype(trainer)
+    return FP32 if low is None else low.itemsize
+
+
+def check_main_params(cfg, what: str) -> None:
+    """A ConfigError where `what` (the memory-traffic formulas, and the step time built on them) would count an
+    autocast run for a trainer.mixed_precision=main_params one: bf16 weights change the bytes every op reads (no
+    weight casts, a bf16 residual stream, the main gradients' accumulation), which they do not derive yet."""
+    tr = cfg.trainer
+    if param_dtype(tr) is not None:
+        raise ConfigError(f"{what} under trainer.mixed_precision=main_params (trainer.precision={tr.precision}) are "
+                          f"not modelled yet, only its activations, collectives and model state (2 + 4 + 12/dp bytes "
+                          f"a parameter under ZeRO-1); trainer.mixed_precision=autocast is modelled whole")
 
 
 def _unfused(m, tr, device: str) -> bool:

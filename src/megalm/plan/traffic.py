@@ -11,7 +11,7 @@ from typing import Dict, Optional, Tuple
 from megalm.family import Part
 from megalm.models import build_model
 from megalm.models.registry import family_of
-from megalm.plan.shapes import FP32, encoder, local_tokens
+from megalm.plan.shapes import FP32, check_main_params, encoder, local_tokens
 from megalm.training.precision import autocast
 
 
@@ -156,6 +156,7 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     False runs the same on real CPU tensors (the tests' reference). Cached per model, micro-batch and
     precision."""
     import torch
+    check_main_params(cfg, "megalm.plan's traffic formulas")
     m, t = cfg.model, cfg.trainer
     key = repr((m, t.micro_batch_size, t.precision, fake))
     if key in _COUNTED:

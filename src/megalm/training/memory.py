@@ -19,6 +19,7 @@ from typing import Dict, Optional
 import torch
 
 from megalm.errors import ConfigError
+from megalm.training.precision import param_dtype
 
 
 def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, master_weights: bool = False,
@@ -36,7 +37,7 @@ def expected_bytes_per_param(*, weight_bytes: int = 4, grad_bytes: int = 4, mast
 def precision_bytes(trainer) -> Dict[str, object]:
     """`expected_bytes_per_param`'s weight_bytes and master_weights for a TrainerConfig: bf16 / fp16 weights
     with fp32 main parameters under trainer.mixed_precision=main_params, else fp32 weights, their own master."""
-    main = trainer.mixed_precision == "main_params" and trainer.precision in ("bf16", "fp16")
+    main = param_dtype(trainer) is not None
     return {"weight_bytes": 2 if main else 4, "master_weights": main}
 
 
