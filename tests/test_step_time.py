@@ -40,6 +40,15 @@ def assert_adds_up(r):
     assert r["time_other_s"] == pytest.approx(r["time_step_s"] - sum(parts[:-1]), abs=1e-9)
     assert 0 <= r["time_comm_exposed_s"] <= r["time_step_s"] * 1.001 + 1e-6, r
     assert 0 <= r["time_comm_s"] <= r["time_step_s"] * 1.001 + 1e-6, r
+    kinds = exposed_by_kind(r)
+    assert all(v >= 0 for v in kinds.values()), r
+    assert sum(kinds.values()) == pytest.approx(r["time_comm_exposed_s"], rel=1e-6, abs=1e-9), r
+
+
+def exposed_by_kind(r):
+    """{kind: seconds} of time_comm_exposed_KIND_s."""
+    return {k[len("time_comm_exposed_"):-2]: v for k, v in r.items()
+            if k.startswith("time_comm_exposed_") and k != "time_comm_exposed_s"}
 
 
 def test_single_process_breakdown_at_the_log_interval_and_a_profiled_step(tmp_path, caplog):
@@ -89,6 +98,10 @@ def test_dp2_and_pp2_time_their_collectives_and_the_pipeline(tmp_path):
     for r in train_records(dp2):
         assert_adds_up(r)
         assert r["time_comm_s"] > 0 and r["time_comm_exposed_s"] > 0  # reduce-scatters, all-gathers, the norm
+        # ZeRO-1: the buckets' reduce-scatters (waited on at the end of backward), the all-gathers after the update
+        # (waited on at once), the gradient norm's and the loss's all-reduces
+        assert set(exposed_by_kind(r)) == {"all_reduce", "all_gather", "reduce_scatter"}, r
+        assert exposed_by_kind(r)["all_gather"] > 0, r
         assert r["time_forward_s"] > 0 and r["time_backward_s"] > 0
     for r in train_records(pp2):
         assert_adds_up(r)
@@ -99,6 +112,7 @@ def test_dp2_and_pp2_time_their_collectives_and_the_pipeline(tmp_path):
         assert r["time_comm_s"] > 0  # the gradient norm's and the tied embedding's all-reduces
         # Without dp every collective is synchronous: all of its time is exposed.
         assert r["time_comm_exposed_s"] == pytest.approx(r["time_comm_s"], rel=1e-6, abs=1e-9)
+        assert set(exposed_by_kind(r)) == {"all_reduce"}, r  # the norm's and the tied embedding's
     names = sorted(p.name for p in (pp2 / "profiles").iterdir())
     assert names == ["step_00000002_rank0.pt.trace.json", "step_00000002_rank1.pt.trace.json"]
     assert all(json.loads((pp2 / "profiles" / n).read_text())["traceEvents"] for n in names)
@@ -118,9 +132,9 @@ def test_comm_clock_counts_overlapping_collectives_once_and_waits_as_exposed():
             return True
 
     span = [time.perf_counter(), None]
-    work = _TimedWork(Work(), span, clock)
+    work = _TimedWork(Work(), span, clock, "reduce_scatter")
     assert work.done_at and work.wait() and span[1] is not None  # other attributes pass through
-    assert 0.04 < clock.blocked < 1.0
+    assert 0.04 < clock.blocked < 1.0 and clock.blocked_by == {"reduce_scatter": clock.blocked}
 
 
 def test_bad_profile_steps_are_refused_naming_the_value():

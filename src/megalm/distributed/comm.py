@@ -108,7 +108,8 @@ class CommClock:
     """Wall time of this process's collectives while `time_comm(clock)` is open (one training step).
 
     `blocked`: seconds the calling thread spent inside collective calls and waiting on the handles
-    of asynchronous ones (communication not overlapped with compute). `spans`: each collective's
+    of asynchronous ones (communication not overlapped with compute); `blocked_by`: the same by kind
+    (all_reduce, all_gather, reduce_scatter, all_to_all), summing to `blocked`. `spans`: each collective's
     [start, end] in flight: a synchronous call's own interval; an asynchronous one from its launch
     until it completed (gloo: its future's callback; otherwise when its wait returned; None while
     unknown). On CUDA both are host times (NCCL returns at once): the breakdown leaves them out there.
@@ -116,10 +117,15 @@ class CommClock:
 
     def __init__(self):
         self.blocked = 0.0
+        self.blocked_by: Dict[str, float] = {}
         self.spans: List[List[Optional[float]]] = []
 
     def reset(self) -> None:
-        self.blocked, self.spans = 0.0, []
+        self.blocked, self.blocked_by, self.spans = 0.0, {}, []
+
+    def add_blocked(self, kind: str, seconds: float) -> None:
+        self.blocked += seconds
+        self.blocked_by[kind] = self.blocked_by.get(kind, 0.0) + seconds
 
     def in_flight(self, start: float, stop: float) -> float:
         """Seconds in [start, stop] during which at least one collective was in flight (spans
@@ -154,8 +160,8 @@ def _ended(span: List[Optional[float]]) -> None:
 class _TimedWork:
     """An asynchronous collective's handle whose wait() counts as blocked time on its CommClock."""
 
-    def __init__(self, work, span: List[Optional[float]], clock: CommClock):
-        self.work, self.span, self.clock = work, span, clock
+    def __init__(self, work, span: List[Optional[float]], clock: CommClock, kind: str):
+        self.work, self.span, self.clock, self.kind = work, span, clock, kind
         try:  # gloo completes the future on its own thread: the true end of the transfer
             work.get_future().add_done_callback(lambda _future: _ended(span))
         except (AttributeError, RuntimeError):
@@ -166,7 +172,7 @@ class _TimedWork:
         try:
             return self.work.wait(*args, **kwargs)
         finally:
-            self.clock.blocked += time.perf_counter() - t0
+            self.clock.add_blocked(self.kind, time.perf_counter() - t0)
             _ended(self.span)
 
     def __getattr__(self, name):
@@ -198,15 +204,15 @@ def _record(kind: str, nbytes: int, fallback: Optional[CommStats] = None, async_
         if stats is not None:
             stats.seconds += t1 - t0
         if clock is not None:
-            clock.blocked += t1 - t0
+            clock.add_blocked(kind, t1 - t0)
             if not async_op:
                 span[1] = t1
             clock.spans.append(span)
 
 
-def _handle(work, span, async_op: bool):
-    """An asynchronous collective's handle, timed when a `time_comm` clock is open."""
-    return _TimedWork(work, span, _CLOCK) if async_op and span is not None and _CLOCK is not None else work
+def _handle(work, span, async_op: bool, kind: str):
+    """An asynchronous collective's handle, timed (as `kind`) when a `time_comm` clock is open."""
+    return _TimedWork(work, span, _CLOCK, kind) if async_op and span is not None and _CLOCK is not None else work
 
 
 def _nbytes(x: Tensor) -> int:
@@ -335,21 +341,21 @@ def bucket_all_reduce(x: Tensor, group, async_op: bool = False):
     """Sum x over the group in place."""
     with _record("all_reduce", _nbytes(x), async_op=async_op) as span:
         work = dist.all_reduce(x, group=group, async_op=async_op)
-    return _handle(work, span, async_op)
+    return _handle(work, span, async_op, "all_reduce")
 
 
 def bucket_reduce_scatter(out: Tensor, x: Tensor, group, async_op: bool = False):
     """Sum the flat x over the group; this rank keeps chunk `rank` of it in out (x.numel() / world)."""
     with _record("reduce_scatter", _nbytes(x), async_op=async_op) as span:
         work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
-    return _handle(work, span, async_op)
+    return _handle(work, span, async_op, "reduce_scatter")
 
 
 def bucket_all_gather(out: Tensor, x: Tensor, group, async_op: bool = False):
     """Concatenate every rank's flat x into out, in rank order."""
     with _record("all_gather", _nbytes(x), async_op=async_op) as span:
         work = _all_gather_single(out, x, group=group, async_op=async_op)
-    return _handle(work, span, async_op)
+    return _handle(work, span, async_op, "all_gather")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,11 @@ seconds, of this rank (rank 0 writes metrics.jsonl):
                            until its wait returns: an upper bound)
     time_comm_exposed_s    the part of it this rank was blocked: synchronous collectives and
                            waits on async handles (on CPU / gloo, without dp, it equals time_comm_s)
+    time_comm_exposed_KIND_s  time_comm_exposed_s by kind of collective (all_reduce, all_gather,
+                           reduce_scatter, all_to_all), for each kind the steps waited on; they sum
+                           to time_comm_exposed_s. Data parallelism's are its gradient buckets'
+                           (all_reduce at ZeRO-0, reduce_scatter at ZeRO 1-3) and ZeRO's parameter
+                           all_gather; tensor parallelism's sit in the same kinds
 
 The comm figures are not parts beside the others: they lie inside the phases (tp collectives in
 forward and backward, dp waits in optimizer). The pipeline schedule's own sends and receives are
@@ -52,6 +57,7 @@ class StepTimer:
         self.comm: Optional[CommClock] = None if cuda else CommClock()
         self.pipelined = pipeline is not None
         self.totals: Dict[str, float] = {}
+        self.exposed_by: Dict[str, float] = {}  # comm_exposed by kind of collective
         self.steps = 0
         self._phase: Optional[str] = None
         self._mark = 0.0
@@ -64,6 +70,7 @@ class StepTimer:
     def _reset(self) -> None:
         names = ("step", "data") + (("compute", "pipeline_idle") if self.pipelined else ("forward", "backward"))
         self.totals = dict.fromkeys(names + ("optimizer", "comm", "comm_exposed"), 0.0)
+        self.exposed_by = {}
         self.steps = 0
 
     def _now(self) -> float:
@@ -87,6 +94,9 @@ class StepTimer:
         if clock is not None:
             self.totals["comm"] += clock.in_flight(start, stop)
             self.totals["comm_exposed"] += min(clock.blocked, stop - start)
+            share = min(1.0, (stop - start) / clock.blocked) if clock.blocked > 0 else 1.0  # as the total is capped
+            for kind, seconds in clock.blocked_by.items():
+                self.exposed_by[kind] = self.exposed_by.get(kind, 0.0) + seconds * share
         self.steps += 1
 
     def phase(self, name: str) -> None:
@@ -127,6 +137,8 @@ class StepTimer:
         out["time_other_s"] = max(0.0, (t["step"] - sum(t[k] for k in parts)) / n)
         if self.comm is not None:
             out["time_comm_s"], out["time_comm_exposed_s"] = t["comm"] / n, t["comm_exposed"] / n
+            for kind in sorted(self.exposed_by):
+                out[f"time_comm_exposed_{kind}_s"] = self.exposed_by[kind] / n
         self._reset()
         return out
 
@@ -168,6 +180,9 @@ def describe(record: Dict[str, float]) -> str:
               "time_optimizer_s", "time_other_s") if k in record]
     text = f"{step * 1e3:.1f} ms/step: {', '.join(shown)}"
     if "time_comm_s" in record:
+        kinds = [(k[len("time_comm_exposed_"):-2], v) for k, v in record.items()
+                 if k.startswith("time_comm_exposed_") and k != "time_comm_exposed_s" and v > 0]
+        by_kind = "".join(f", {kind} {100 * v / step:.0f}%" for kind, v in sorted(kinds, key=lambda kv: -kv[1]))
         text += (f"; collectives {100 * record['time_comm_s'] / step:.0f}% "
-                 f"(exposed {100 * record['time_comm_exposed_s'] / step:.0f}%)")
+                 f"(exposed {100 * record['time_comm_exposed_s'] / step:.0f}%{by_kind})")
     return text
