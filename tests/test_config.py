@@ -123,6 +123,7 @@ BAD = [
      "model.num_query_groups=2 is not divisible by parallel.tp=4"),
     (["data.split=98"], 1, "data.split='98' needs 2 or 3 non-negative weights"),
     (["model.dropout=1.5"], 1, "model.dropout=1.5 must be in [0, 1)"),
+    (["parallel.bucket_size_mb=0"], 1, "parallel.bucket_size_mb=0.0 must be positive, or null for Megatron's"),
     (["parallel=tp2", "model=gpt_tiny", "model.ffn_hidden_size=33"], 2,
      "model.ffn_size=33 is not divisible by parallel.tp=2"),
     (["parallel=tp2", "parallel.sequence_parallel=true", "model=gpt_tiny", "model.seq_length=33"], 2,

@@ -751,3 +751,22 @@ def test_expert_tensor_parallel_collectives_and_step_time_by_hand():
     edp = step_collectives(cfg, world, 0, 0)["edp"]
     assert edp == {"reduce_scatter": {"calls": L, "bytes": L * 2 * shard * 4},
                    "all_gather": {"calls": 2 * m * L, "bytes": 2 * m * L * shard * 4}}
+
+
+@pytest.mark.parametrize("dp,cap", [(2, 40_000_000), (64, 64_000_000)])
+def test_default_buckets_are_sized_by_parameter_count_as_megatron_sizes_them(dp, cap):
+    """parallel.bucket_size_mb=null (the default): Megatron-Core's DDP buckets of max(40M, 1M x dp) parameters,
+    read off GPT-3 1.3B's meta-device layout at ZeRO-1 (each weight under 17M but the tied embedding, which has
+    a bucket of its own): no other bucket over the cap (padding to a multiple of dp aside), and as few as that
+    allows (the greedy fill closes a bucket only when the next weight would overflow it, so two buckets in a
+    row together hold more than the cap)."""
+    from megalm.plan.layout import rank_layout
+    cfg, world = plan_config(["model=gpt_1_3b", f"parallel.dp={dp}", "parallel.zero_stage=1",
+                              f"trainer.global_batch_size={dp}", "trainer.micro_batch_size=1"])
+    assert cfg.parallel.bucket_size_mb is None
+    sizes = [size for size, _ in rank_layout(cfg, world, 0, 0).buckets]
+    embedding = cfg.model.padded_vocab(1) * cfg.model.hidden_size
+    rest = [size for size in sizes if size < embedding]
+    assert len(rest) == len(sizes) - 1 and len(rest) > 1
+    assert max(rest) <= cap + dp
+    assert all(a + b > cap for a, b in zip(rest, rest[1:]))

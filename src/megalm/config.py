@@ -121,8 +121,9 @@ class ParallelConfig:
     """Layers of each (virtual) stage in order, for uneven splits; None = even."""
     zero_stage: int = 0
     """0 = plain DP, 1 = shard optimizer state over dp, 2 = + gradients, 3 = + parameters (gathered per layer)."""
-    bucket_size_mb: float = 25.0
-    """fp32 gradient MiB per data-parallel bucket: one collective each, launched during backward."""
+    bucket_size_mb: Optional[float] = None
+    """fp32 gradient MiB per data-parallel bucket (one collective each, launched during backward); None: Megatron's
+    size by parameter count, max(40M, 1M x dp) parameters a bucket (160 MB of fp32 gradient and up)."""
     overlap_param_gather: bool = False
     """ZeRO 1/2: the parameter all-gather after the update runs in the background, each bucket waited on when the
     next forward first uses one of its weights (Megatron's --overlap-param-gather); false: waited on at once."""

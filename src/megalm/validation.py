@@ -198,8 +198,9 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
     if p.cp > 1:
         _validate_context(cfg, family)
     _validate_experts(cfg, dims.dp)
-    if p.bucket_size_mb <= 0:
-        raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive")
+    if p.bucket_size_mb is not None and not p.bucket_size_mb > 0:
+        raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive, or null for Megatron's "
+                          f"max(40M, 1M x dp) parameters a bucket")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
                           f"(got {p.recompute}) and a value of at least 1")

@@ -147,7 +147,7 @@ def parallelize(model: nn.Module, family: Family, mesh, cfg: ParallelConfig, see
 
 
 def build_data_parallel(model: nn.Module, family: Family, mesh, layout: Layout, zero_stage: int,
-                        bucket_size_mb: float, param_dtype: Optional[torch.dtype] = None,
+                        bucket_size_mb: Optional[float], param_dtype: Optional[torch.dtype] = None,
                         overlap_param_gather: bool = False) -> Optional[DataParallel]:
     """The gradient synchroniser of a distributed run (ZeRO-3 gathers `family`'s units); None in a single
     process, unless `param_dtype` asks for low-precision weights with fp32 main parameters (the buckets

@@ -104,6 +104,16 @@ class Bucket:
     rank: int = 0
 
 
+def bucket_elements(bucket_size_mb: Optional[float], replicas: int) -> int:
+    """Parameters a gradient bucket holds at most: `bucket_size_mb` MiB of fp32 gradient, or by default (None)
+    Megatron-Core's size by parameter count, max(40M, 1M x the data-parallel ranks) (its DDP's default bucket_size,
+    the ranks counted with context parallelism: here the replicas, dp x cp), so each rank's share of a bucket's
+    reduce-scatter stays at least 1M elements however wide dp grows."""
+    if bucket_size_mb is not None:
+        return int(bucket_size_mb * 2**20 / 4)
+    return max(40_000_000, 1_000_000 * replicas)
+
+
 def capped_groups(params: List[nn.Parameter], cap: int, alone: Optional[nn.Parameter] = None) -> List[List[nn.Parameter]]:
     """`params` in reverse order (backward produces the last layers' gradients first), cut into groups of
     at most `cap` elements (a larger parameter alone); `alone` gets a group of its own where it falls."""
@@ -127,7 +137,7 @@ def capped_groups(params: List[nn.Parameter], cap: int, alone: Optional[nn.Param
 class DataParallel:
     """Gradient synchronisation of one rank's model over dp (and its tp / embedding replicas)."""
 
-    def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: float = 25.0,
+    def __init__(self, model: nn.Module, mesh, layout, zero_stage: int = 0, bucket_size_mb: Optional[float] = None,
                  param_dtype: Optional[torch.dtype] = None, overlap_param_gather: bool = False):
         """`mesh` None: a single process (main parameters only). `param_dtype`: hold the weights in this
         dtype, with fp32 main parameters and main gradients (the module docstring); None: as they are.
@@ -156,7 +166,7 @@ class DataParallel:
         if self.dp == 1 and zero_stage == 0 and not self.main_params:
             return  # nothing to reduce over dp: gradients stay where autograd puts them
         device = self.params[0].device
-        self._build_buckets(int(bucket_size_mb * 2**20 / 4), device)
+        self._build_buckets(bucket_elements(bucket_size_mb, self.dp), device)
         if self.has_shards:
             self._shard_parameters(device)
         for p in self.params:

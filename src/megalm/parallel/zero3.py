@@ -30,7 +30,7 @@ stages unchanged.
 from __future__ import annotations
 
 import functools
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ def model_units(model: nn.Module, parts: Parts) -> List[nn.Module]:
 class FullyShardedDataParallel(DataParallel):
     """DataParallel with zero_stage 3: weights, gradients and optimizer state sharded over dp."""
 
-    def __init__(self, model: nn.Module, parts: Parts, mesh, layout, bucket_size_mb: float = 25.0,
+    def __init__(self, model: nn.Module, parts: Parts, mesh, layout, bucket_size_mb: Optional[float] = None,
                  param_dtype=None):
         self.units = model_units(model, parts)
         super().__init__(model, mesh, layout, zero_stage=3, bucket_size_mb=bucket_size_mb, param_dtype=param_dtype)
