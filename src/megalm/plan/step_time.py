@@ -98,8 +98,10 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - data-parallel gradient reduction overlaps the backward of the step's last micro-batch (megalm
       launches each bucket as its gradients are complete) and shows only beyond it, at least its last
       bucket (over the replicas: dp, or dp x cp; under expert parallelism the experts' buckets over their
-      (dp / ep) x cp ranks too, after the others); ZeRO-1/2's parameter all-gather after the update and the
-      tied-embedding sum are exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
+      (dp / ep) x cp ranks too, after the others); ZeRO-1/2's parameter all-gather after the update is
+      exposed, or with parallel.overlap_param_gather overlaps the next step's first forward on the rank (each
+      bucket waited on where a layer first uses it) and shows only beyond it, at least its first bucket (the
+      first layers wait for theirs); the tied-embedding sum is exposed, and so are the gradient-norm and loss scalars, each 2 log2(world)
       latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers (the experts' over their
       (dp / ep) x cp ranks under expert parallelism) are prefetched and show only beyond the rank's compute;
     - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
@@ -179,18 +181,25 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     after = {}
     for r in range(dims.pp):
         reduce_s = gather_s = 0.0
-        buckets = 0
+        buckets = gathers = 0
         for group in ("dp", "edp"):  # the experts' buckets (expert parallelism) over their own group, in turn
             kinds = comm[r].get(group, {})
             reduce = {k: v for k, v in kinds.items() if k in ("all_reduce", "reduce_scatter")}
             reduce_s += seconds_of(group, r, reduce)
             gather_s += seconds_of(group, r, {k: v for k, v in kinds.items() if k == "all_gather"})
+            gathers += int(kinds.get("all_gather", {}).get("calls", 0))
             buckets += sum(int(v["calls"]) for v in reduce.values())
         last_backward = sum(work[s].backward for s in range(S) if owner[s] == r) / rate
         buckets = max(1, buckets)
         exposed_reduce = max(reduce_s - last_backward, reduce_s / buckets) if reduce_s else 0.0
         compute = flops_of_rank[r] / rate
-        exposed_gather = max(0.0, gather_s - compute) if p.zero_stage == 3 else gather_s
+        if p.zero_stage == 3:
+            exposed_gather = max(0.0, gather_s - compute)
+        elif p.overlap_param_gather and gathers:
+            first_forward = sum(work[s].forward for s in range(S) if owner[s] == r) / rate
+            exposed_gather = max(gather_s / gathers, gather_s - first_forward)
+        else:
+            exposed_gather = gather_s
         after[r] = {"dp_reduce": exposed_reduce, "dp_gather": exposed_gather,
                     "embedding": seconds_of("embedding", r), "other": seconds_of("other", r),
                     "optimizer": optimizer_seconds(updated_params[r], cfg)}
