@@ -351,18 +351,21 @@ def _traffic_beside_the_loss(cfg, m: int) -> float:
     return m * (t.forward + t.input_grad + t.weight_grad - sum(loss_traffic_bytes(cfg, 1)))
 
 
-@pytest.mark.parametrize("optimizer,update_bytes", [("adamw", 28), ("sgd", 20)])
-def test_single_device_step_time_by_hand(optimizer, update_bytes):
+@pytest.mark.parametrize("optimizer,update_bytes,extra", [("adamw", 28, []), ("sgd", 20, []),
+                                                          ("adamw", 34, ["trainer.mixed_precision=main_params"])])
+def test_single_device_step_time_by_hand(optimizer, update_bytes, extra):
     """One H100 in bf16: every micro-batch's forward and backward at 70% of 989 TFLOP/s, the loss's passes
     over the logits at 3.35 TB/s, then the optimizer streaming its bytes a parameter at 3.35 TB/s: AdamW
     reads the fp32 weight, gradient and two moments and writes three (28); SGD with momentum reads three
-    and writes two (20). The loss, per logit (vocabulary 256, unpadded): forward the cast to fp32 (2 + 4
+    and writes two (20); under main_params AdamW's fp32 weight is the main parameter, then cast into the bf16
+    weight (a 4-byte read and a 2-byte write: 34), and the layers' traffic is counted on bf16 weights. The loss,
+    per logit (vocabulary 256, unpadded): forward the cast to fp32 (2 + 4
     bytes) and log_softmax (4 + 4), backward nll_loss's zero gradient (4), log_softmax's backward (4 + 4
     + 4) and the cast back (4 + 2): 36 bytes."""
     from megalm.models import flops_per_token
     got = _plan(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", "trainer.precision=bf16",
-                f"optimizer={optimizer}")
-    cfg = _compose(*TINY, "trainer.global_batch_size=8", "trainer.precision=bf16")
+                f"optimizer={optimizer}", *extra)
+    cfg = _compose(*TINY, "trainer.global_batch_size=8", "trainer.precision=bf16", *extra)
     params = got["positions"][0]["params"]
     tokens = 8 * cfg.model.seq_length
     assert cfg.model.padded_vocab_size == cfg.model.vocab_size == 256
@@ -488,48 +491,70 @@ def test_bad_cluster_figures_are_named(override, named):
         _compose(*TINY, "trainer.global_batch_size=8", "cluster=slurm_h100", override)
 
 
+MAIN = ["trainer.precision=bf16", "trainer.mixed_precision=main_params"]
+
+
 @pytest.mark.parametrize("zero_stage,bytes_per_param", [(0, 18), (1, 2 + 4 + 12 / 4), (3, 18 / 4)])
-def test_main_params_plan_their_model_state_and_say_what_is_not_modelled(zero_stage, bytes_per_param):
+def test_main_params_are_planned_whole(zero_stage, bytes_per_param):
     """trainer.mixed_precision=main_params: Megatron's bytes a parameter (bf16 weights, fp32 main gradients,
     fp32 main parameters and moments), which the rank's exact model state also gives (measured equal on real
-    ranks in tests/test_plan_collectives.py); its activations and collectives are planned, and the step time,
-    whose memory-traffic formulas assume autocast, is said to be not modelled rather than given autocast's."""
+    ranks in tests/test_plan_collectives.py), its activations, collectives and a step time; in fp32 the option
+    changes nothing."""
     over = [*TINY, "parallel.dp=4", f"parallel.zero_stage={zero_stage}", "trainer.global_batch_size=8",
             "cluster=slurm_h100"]
-    got = _plan(*over, "trainer.precision=bf16", "trainer.mixed_precision=main_params")
+    got = _plan(*over, *MAIN)
+    assert "not_modelled" not in got and got["estimate"]["step_seconds"] > 0
     assert got["bytes_per_param"] == pytest.approx(bytes_per_param)
     q = got["positions"][0]
     assert q["model_state_bytes"] == pytest.approx(bytes_per_param * q["params"], rel=1e-3)  # ZeRO's padding
     assert q["activation_peak_bytes"] > 0 and q["comm_bytes"]["dp"] > 0
-    assert "trainer.mixed_precision=main_params" in got["not_modelled"] and "missing" in got["estimate"]
-    fp32 = _plan(*over, "trainer.mixed_precision=main_params")  # no effect in fp32: modelled whole
-    assert "not_modelled" not in fp32 and fp32["bytes_per_param"] == (16 if zero_stage == 0 else 4 + 4 + 8 / 4
-                                                                      if zero_stage == 1 else 16 / 4)
-    assert "step_seconds" in fp32["estimate"], fp32["estimate"]
+    fp32 = _plan(*over, "trainer.mixed_precision=main_params")
+    assert fp32 == _plan(*over)
 
 
-def test_a_layout_search_under_main_params_is_refused(capsys):
+def test_a_layout_search_under_main_params_ranks_layouts(capsys):
     from megalm.plan.cli import main
-    with pytest.raises(SystemExit):
-        main([*TINY, "--search", "--gpus", "4", "trainer.precision=bf16", "trainer.mixed_precision=main_params"])
-    assert "--search's step times (their memory traffic) under trainer.mixed_precision=main_params" in \
-        capsys.readouterr().err
+    main([*TINY, "--search", "--gpus", "4", "--jobs", "1", "--json", "trainer.global_batch_size=8",
+          "cluster=slurm_h100", *MAIN])
+    got = json.loads(capsys.readouterr().out)
+    assert got["ranked"] and all(r["step_seconds"] > 0 for r in got["ranked"])
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_gradient_accumulation_traffic_by_hand(m):
+    """The weight-gradient traffic of a single-stage step of m micro-batches, a parameter: autocast adds each
+    micro-batch's fp32 gradient after the first into the accumulated one (two 4-byte reads, a 4-byte write:
+    12 (m - 1) / m spread over the micro-batches); main_params adds every micro-batch's bf16 gradient into the
+    fp32 main gradient (a 2-byte read, a 4-byte read and write: 10) and zeroes the main gradients once a step
+    (4 / m)."""
+    from megalm.plan.traffic import count_traffic, stage_traffic
+    for extra, per_param in (([], 12 * (m - 1) / m), (MAIN, 10 + 4 / m)):
+        cfg = _compose(*TINY, "trainer.global_batch_size=8", *extra)
+        c = count_traffic(cfg)
+        params = cfg.model.num_layers * c.layer_params + c.first_params + c.last_params
+        got = stage_traffic(cfg, cfg.model.num_layers, True, True, 1, m).weight_grad
+        assert got == pytest.approx(per_param * params, rel=1e-12), extra
 
 
 def test_traffic_counted_on_fake_tensors_equals_a_real_run():
     """`count_traffic` counts on FakeTensorMode tensors (nothing allocated, so any size): the same layer,
     embedding and heads run on real CPU tensors move the same bytes, op for op; across norms, activations,
-    positions, dropout, bf16 autocast, grouped-query attention and BERT (post-norm, its masks and heads)."""
+    positions, dropout, bf16 autocast, grouped-query attention, BERT (post-norm, its masks and heads) and bf16
+    weights (main_params), which move fewer bytes than autocast's casts and fp32 residual stream."""
     from megalm.plan.traffic import count_traffic
     cases = [[*TINY], [*TINY, "model.normalization=layernorm", "model.activation=gelu",
                        "model.position_embedding=learned", "model.dropout=0.1", "model.bias=true"],
              [*TINY, "trainer.precision=bf16"], [*TINY, "model.num_query_groups=2"],
-             [*BERT_TINY], [*BERT_TINY, "model.norm_position=post", "trainer.precision=bf16"]]
+             [*BERT_TINY], [*BERT_TINY, "model.norm_position=post", "trainer.precision=bf16"],
+             [*TINY, *MAIN], [*BERT_TINY, *MAIN]]
     for overrides in cases:
         cfg = _compose(*overrides, "trainer.global_batch_size=8")
         fake, real = count_traffic(cfg), count_traffic(cfg, fake=False)
         assert fake == real, overrides
         assert min(fake.layer_forward[0], fake.layer_forward[1], fake.layer_backward[1]) > 0, overrides
+    autocast, main = (count_traffic(_compose(*TINY, "trainer.global_batch_size=8", *o)) for o in
+                      (["trainer.precision=bf16"], MAIN))
+    assert sum(main.layer_forward + main.layer_backward) < sum(autocast.layer_forward + autocast.layer_backward)
 
 
 def test_traffic_of_a_plain_layer_by_hand():

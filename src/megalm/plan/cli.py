@@ -173,8 +173,6 @@ def main(argv: Optional[List[str]] = None) -> None:
             if args.gpus is None:
                 raise ConfigError("--search needs --gpus N: the devices to lay the model out on")
             cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None)
-            from megalm.plan.shapes import check_main_params  # lazy: torch, kept off the start-up path
-            check_main_params(cfg, "--search's step times (their memory traffic)")
             jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
             if jobs < 1:
                 raise ConfigError(f"--jobs={jobs} must be at least 1")

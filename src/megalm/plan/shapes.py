@@ -159,17 +159,6 @@ def held_bytes(trainer) -> int:
     return FP32 if low is None else low.itemsize
 
 
-def check_main_params(cfg, what: str) -> None:
-    """A ConfigError where `what` (the memory-traffic formulas, and the step time built on them) would count an
-    autocast run for a trainer.mixed_precision=main_params one: bf16 weights change the bytes every op reads (no
-    weight casts, a bf16 residual stream, the main gradients' accumulation), which they do not derive yet."""
-    tr = cfg.trainer
-    if param_dtype(tr) is not None:
-        raise ConfigError(f"{what} under trainer.mixed_precision=main_params (trainer.precision={tr.precision}) are "
-                          f"not modelled yet, only its activations, collectives and model state (2 + 4 + 12/dp bytes "
-                          f"a parameter under ZeRO-1); trainer.mixed_precision=autocast is modelled whole")
-
-
 def _unfused(m, tr, device: str) -> bool:
     """Whether the run's attention is the unfused one (model.attention_backend, `auto` resolved as the layers do)."""
     import torch

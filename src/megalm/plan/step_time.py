@@ -13,8 +13,9 @@ from megalm.plan.flops import attention_core_flops_per_token, stage_work
 from megalm.plan.group_collectives import boundary_messages, ring_block_bytes
 from megalm.plan.model_state import optimizer_moments
 from megalm.plan.schedules import action_seconds, schedule_order, simulate, stage_layers, stage_owner
-from megalm.plan.shapes import local_tokens
+from megalm.plan.shapes import FP32, held_bytes, local_tokens
 from megalm.plan.traffic import stage_traffic
+from megalm.training.precision import param_dtype
 
 
 def peak_flops(cluster, precision: str) -> Optional[float]:
@@ -28,8 +29,9 @@ def peak_flops(cluster, precision: str) -> Optional[float]:
 def optimizer_bytes_per_param(cfg) -> int:
     """Bytes the optimizer step streams per parameter it updates: it reads the fp32 weight, gradient and
     its k state tensors and writes the weight and the state: 12 + 8k (AdamW, k = 2: 28; SGD with
-    momentum: 20; plain SGD: 12)."""
-    return 12 + 8 * optimizer_moments(cfg)
+    momentum: 20; plain SGD: 12). Under trainer.mixed_precision=main_params the fp32 weight is the main
+    parameter, then cast into the 2-byte weight (a 4-byte read and a 2-byte write): 6 more."""
+    return 12 + 8 * optimizer_moments(cfg) + (FP32 + held_bytes(cfg.trainer) if param_dtype(cfg.trainer) else 0)
 
 
 def optimizer_seconds(updated_params: float, cfg) -> float:

@@ -11,8 +11,8 @@ from typing import Dict, Optional, Tuple
 from megalm.family import Part
 from megalm.models import build_model
 from megalm.models.registry import family_of
-from megalm.plan.shapes import FP32, check_main_params, encoder, local_tokens
-from megalm.training.precision import autocast
+from megalm.plan.shapes import FP32, encoder, local_tokens
+from megalm.training.precision import autocast, param_dtype
 
 
 # A stage's FLOPs time its matmuls and attention; the rest of a step (norms, residual adds, the
@@ -152,13 +152,14 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     """Count, op by op, the bytes one micro-batch moves outside the matmuls through one layer, through the
     first stage's part before the layers (embedding) and through the last stage's part after them (final
     norm, heads; the ops over the logits are left to `loss_traffic_bytes`), forward then backward, under
-    trainer.precision's autocast. `fake`: on FakeTensorMode tensors (nothing allocated: any model size);
+    trainer.precision's autocast, with the weights in the 2-byte dtype under trainer.mixed_precision=main_params
+    (so no weight casts, and a residual stream of that dtype). `fake`: on FakeTensorMode tensors (nothing allocated: any model size);
     False runs the same on real CPU tensors (the tests' reference). Cached per model, micro-batch and
     precision."""
     import torch
-    check_main_params(cfg, "megalm.plan's traffic formulas")
     m, t = cfg.model, cfg.trainer
-    key = repr((m, t.micro_batch_size, t.precision, fake))
+    low = param_dtype(t)
+    key = repr((m, t.micro_batch_size, t.precision, low, fake))
     if key in _COUNTED:
         return _COUNTED[key]
     family = family_of(m.arch)
@@ -194,6 +195,9 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     with context:
         gen = torch.Generator().manual_seed(0)
         model = build_model(one)
+        if low is not None:  # the parameters, as DataParallel holds them under main_params (buffers stay)
+            for param in model.parameters():
+                param.data = param.data.to(low)
         model.train()
         inputs = [torch.randint(0, m.vocab_size, (B, T), generator=gen)] + \
             [torch.ones(B, T, dtype=torch.long) for _ in family.inputs[1:]]
@@ -273,6 +277,9 @@ def loss_traffic_bytes(cfg, tp: int) -> Tuple[float, float]:
 
 GRAD_ACCUMULATION_BYTES = 3 * FP32
 """Adding a micro-batch's weight gradient into the accumulated one: two fp32 reads and a write a parameter."""
+MAIN_GRAD_BYTES = 2 + 2 * FP32
+"""trainer.mixed_precision=main_params: adding a micro-batch's 2-byte weight gradient into the fp32 main gradient
+(Megatron's main_grad), every micro-batch: a 2-byte read, a 4-byte read and a 4-byte write a parameter."""
 
 
 def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) -> Traffic:
@@ -289,7 +296,9 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
       whole sequence on SDPA's core; the ring's elementwise passes over its c x c scores, which a fused
       attention kernel would keep on chip, are not counted, as SDPA's internals are not);
     - gradient accumulation: each micro-batch after a step's first adds its weight gradients into the
-      accumulated ones (GRAD_ACCUMULATION_BYTES a parameter), spread here over the m micro-batches.
+      accumulated ones (GRAD_ACCUMULATION_BYTES a parameter), spread here over the m micro-batches; under
+      main_params every micro-batch adds into the fp32 main gradients (MAIN_GRAD_BYTES), which are zeroed
+      once a step (4 bytes a parameter, spread likewise).
     A mixture's experts count as they run without expert tensor parallelism: with it a rank runs tp x the rows
     through 1/tp of the width (the same FLOPs, and bytes for the width part); the copies its exchange makes of
     the gathered rows (tp x the rows, h fp32) are not counted.
@@ -314,5 +323,8 @@ def stage_traffic(cfg, layers: int, first: bool, last: bool, tp: int, m: int) ->
         total += Traffic(share(c.last_forward), share(c.last_backward))
         total += Traffic(*loss_traffic_bytes(cfg, tp))
         params += c.last_params
-    accumulate = GRAD_ACCUMULATION_BYTES * params / tp * (m - 1) / m
+    if param_dtype(cfg.trainer) is not None:
+        accumulate = (MAIN_GRAD_BYTES + FP32 / m) * params / tp
+    else:
+        accumulate = GRAD_ACCUMULATION_BYTES * params / tp * (m - 1) / m
     return total + Traffic(0.0, 0.0, accumulate)
