@@ -37,6 +37,7 @@ UNFUSED = "model.attention_backend=unfused"
 # Megatron's mixed precision: bf16 weights (so a bf16 residual stream, norms on bf16 inputs, no weight copies) beside
 # fp32 main parameters and gradients in the data-parallel buckets.
 MAIN = ["trainer.precision=bf16", "trainer.mixed_precision=main_params"]
+ACT = "parallel.recompute_activation=true"
 # Multi-rank layouts run at dp = 2 on one set of four ranks: a data-parallel replica changes no rank's
 # activations, only the micro-batches per step (global_batch / (micro_batch * dp)), which this checks too.
 TP2 = ["parallel=tp2_dp2", "trainer.global_batch_size=8"]  # 2 micro-batches
@@ -85,6 +86,10 @@ SINGLE = {
     "llama-main-selective": [*LLAMA, *MAIN, "parallel.recompute=selective"],
     "bert-main": [*BERT, *MAIN], "bert-post-main-dropout": [*POST, *MAIN, *DROPOUT],
     "llama-main-unfused": [*LLAMA, *MAIN, UNFUSED], "moe-main-dropout": [*MOE, *MAIN, "model.dropout=0.1"],
+    # parallel.recompute_activation: fc2's input freed after its forward (GELU's output, SwiGLU's product; ReLU's kept)
+    "gpt2-act": [*GPT2, ACT], "llama-bf16-act-selective": [*LLAMA, "trainer.precision=bf16", ACT,
+                                                          "parallel.recompute=selective"],
+    "gpt2-relu-act": [*GPT2, "model.activation=relu", ACT], "bert-main-act": [*BERT, *MAIN, ACT],
 }
 MULTI = {
     "gpt2-tp2": [*GPT2, *TP2], "llama-tp2": [*LLAMA, *TP2],
@@ -121,6 +126,10 @@ MULTI = {
     "llama-tp2-sp-main-full": [*LLAMA, *TP2, "parallel.sequence_parallel=true", *MAIN, "parallel.recompute=full"],
     "bert-tp2-sp-main": [*BERT, *TP2, "parallel.sequence_parallel=true", *MAIN],
     "gpt2-pp2-main-zbv": [*GPT2, *PP2, *MAIN, *SCHEDULES[4]], "llama-cp2-main": [*LLAMA, *CP2, *MAIN],
+    # recompute_activation under tp + sp (fc2 row-parallel) and a zero-bubble schedule (its weight pass after the
+    # input pass has refilled fc2's input)
+    "gpt2-tp2-sp-main-act": [*GPT2, *TP2, "parallel.sequence_parallel=true", *MAIN, ACT, "model.dropout=0.1"],
+    "llama-pp2-zbv-act": [*LLAMA, *PP2, *SCHEDULES[4], ACT],
     "moe-tp2-etp": [*MOE, *TP2, "parallel.expert_tp=2"],
     "moe-tp2-ep2-etp-sp-bf16": [*MOE, *TP2, "parallel.ep=2", "parallel.expert_tp=2", "parallel.sequence_parallel=true",
                                 "model.moe_router_topk=4", "trainer.precision=bf16"],
@@ -141,25 +150,32 @@ def _config(overrides):
 
 
 class _SavedBytes:
-    """Pack / unpack hooks that count each storage autograd saves once, while any saved tensor holds it.
+    """Pack / unpack hooks that count each storage autograd saves once, while any saved tensor holds it, at its
+    size at each new save (a storage freed after its save, parallel.recompute_activation's, counts 0 until refilled;
+    storages are told apart by identity, as a freed one's address can be reused meanwhile).
 
     The wrapper keeps a detached view: a node that saves its own output (SDPA, log-softmax) would
     otherwise hold itself through the tensor's grad_fn, a cycle that outlives a retained graph (the
     zero-bubble schedules' input pass) and looks like a leak that training does not have."""
 
     def __init__(self, persistent):
-        self.persistent, self.refs, self.live, self.peak = persistent, {}, 0, 0
+        self.persistent, self.refs, self.storages, self.peak = persistent, {}, {}, 0
 
     def pack(self, tensor):
         storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
-        if key[0] in self.persistent or key[1] == 0:
+        if storage.data_ptr() in self.persistent or storage.nbytes() == 0:
             return tensor
-        return _Held(self, key, tensor.detach())  # no grad_fn: a saved output must not keep its own node alive
+        # The storage itself is the key (its data may move: a freed storage's address can be reused meanwhile)
+        return _Held(self, storage._cdata, tensor.detach())  # no grad_fn: a saved output must not keep its own node alive
 
     @staticmethod
     def unpack(held):
         return held.tensor if isinstance(held, _Held) else held
+
+    @property
+    def live(self) -> int:
+        """Bytes of the saved storages now."""
+        return sum(s.nbytes() for s in self.storages.values())
 
 
 class _Held:
@@ -170,8 +186,8 @@ class _Held:
         count = owner.refs.get(key, 0)
         owner.refs[key] = count + 1
         if count == 0:
-            owner.live += key[1]
-            owner.peak = max(owner.peak, owner.live)
+            owner.storages[key] = tensor.untyped_storage()
+        owner.peak = max(owner.peak, owner.live)
 
     def __del__(self):  # the graph node that saved the tensor is gone (its backward ran, or the graph died)
         owner, count = self.owner, self.owner.refs[self.key] - 1
@@ -179,7 +195,7 @@ class _Held:
             owner.refs[self.key] = count
         else:
             del owner.refs[self.key]
-            owner.live -= self.key[1]
+            del owner.storages[self.key]
 
 
 def _micro_batches(cfg, m: int):
@@ -303,7 +319,8 @@ def test_megatron_mixed_precision_keeps_korthikantis_figure():
     asked for CUDA's kernels (a 1-byte dropout mask, torch's fused norms), gives those figures for GPT-3 175B at
     tp 8 under trainer.mixed_precision=main_params within 2% (the log-sum-exp and norm statistics, a few bytes a
     token, are the rest); under autocast, whose residual stream is fp32, each of the two norms keeps its input in
-    fp32, 2sbh/t more apiece: 38, and the recomputed layer's input 4sbh/t."""
+    fp32, 2sbh/t more apiece: 38, and the recomputed layer's input 4sbh/t. parallel.recompute_activation frees GELU's
+    output, 4h in 16 bits a token: 8sbh/t less."""
     from megalm.plan.activations import layer_activation_bytes
     over = ["model=gpt_175b", "parallel=tp8_pp16", "parallel.sequence_parallel=true", "model.dropout=0.1",
             "model.attention_dropout=0.1", "trainer.precision=bf16", "trainer.micro_batch_size=1",
@@ -313,6 +330,8 @@ def test_megatron_mixed_precision_keeps_korthikantis_figure():
     unit = m.seq_length * m.hidden_size / 8  # s b h / t, b = 1
     assert layer_activation_bytes(cfg, world, device="cuda") / unit == pytest.approx(34, rel=TOLERANCE)
     assert layer_activation_bytes(cfg, world, "full", device="cuda") / unit == 2
+    act, world = plan_config([*over, "trainer.mixed_precision=main_params", "parallel.recompute_activation=true"])
+    assert layer_activation_bytes(act, world, device="cuda") / unit == pytest.approx(34 - 8, rel=TOLERANCE)  # GELU's
     autocast, world = plan_config([*over, "trainer.mixed_precision=autocast"])
     assert layer_activation_bytes(autocast, world, device="cuda") / unit == pytest.approx(38, rel=TOLERANCE)
     assert layer_activation_bytes(autocast, world, "full", device="cuda") / unit == 4

@@ -131,6 +131,10 @@ class ParallelConfig:
     """none | selective (attention core) | full (whole blocks) activation recomputation."""
     recompute_num_layers: Optional[int] = None
     """With recompute=full: recompute the first N blocks of each stage; None = every block."""
+    recompute_activation: bool = False
+    """Free each dense MLP's activation output (fc2's input) after fc2's forward and compute it again from fc1's
+    output (kept anyway by the activation's backward) when backward reaches fc2; with recompute none or selective
+    (GELU, SwiGLU: f a token less in the compute dtype; ReLU keeps its output for its own backward: no change)."""
 
 
 @dataclass

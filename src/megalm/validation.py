@@ -201,6 +201,12 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
     if p.bucket_size_mb is not None and not p.bucket_size_mb > 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive, or null for Megatron's "
                           f"max(40M, 1M x dp) parameters a bucket")
+    if p.recompute_activation and (p.recompute == "full" or getattr(m, "num_experts", 0)):
+        raise ConfigError("parallel.recompute_activation=true recomputes a dense MLP's activation; "
+                          + ("with parallel.recompute=full the whole layer is recomputed already"
+                             if p.recompute == "full" else f"model.num_experts={m.num_experts}: the experts' "
+                             "activation is not covered")
+                          + ": set parallel.recompute_activation=false")
     if p.recompute_num_layers is not None and (p.recompute != "full" or p.recompute_num_layers < 1):
         raise ConfigError(f"parallel.recompute_num_layers={p.recompute_num_layers} needs recompute=full "
                           f"(got {p.recompute}) and a value of at least 1")

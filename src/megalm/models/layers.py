@@ -184,9 +184,39 @@ class MLP(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, width, bias=cfg.bias)
         self.fc2 = nn.Linear(cfg.ffn_size, cfg.hidden_size, bias=cfg.bias)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.recompute_activation = False  # set by megalm.parallel.recompute (parallel.recompute_activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(activate(self.fc1(x), self.activation)))
+        h = self.fc1(x)
+        # (ReLU keeps its output for its own backward, and would keep fc1's output here instead: nothing to save)
+        if self.recompute_activation and self.activation != "relu" and torch.is_grad_enabled() \
+                and not torch.compiler.is_compiling():
+            return self.dropout(_linear_recomputing_input(self.fc2, h, self.activation))
+        return self.dropout(self.fc2(activate(h, self.activation)))
+
+
+def _linear_recomputing_input(linear: nn.Module, h: torch.Tensor, activation: str) -> torch.Tensor:
+    """linear(activate(h)), the activation's output freed once linear's forward has saved it, and computed again
+    from h into the same storage when backward reaches linear's output (a pre-hook on its node, which runs before
+    any of linear's own backward, including a zero-bubble schedule's later weight pass). h is kept anyway by the
+    activation's backward; the recomputation is the same kernel on the same input, so the same bits. As Megatron's
+    activation recomputation of its experts (--recompute-modules moe_act, checkpointing without the output)."""
+    a = activate(h, activation)
+    y = linear(a)
+    if y.grad_fn is None:
+        return y
+    storage, nbytes, source = a.untyped_storage(), a.untyped_storage().nbytes(), h.detach()
+
+    def refill(grad_outputs):
+        if storage.nbytes() == 0:
+            with torch.no_grad():
+                again = activate(source, activation)
+            storage.resize_(nbytes)
+            storage.copy_(again.untyped_storage())
+
+    y.grad_fn.register_prehook(refill)
+    storage.resize_(0)
+    return y
 
 
 def activate(h: torch.Tensor, activation: str) -> torch.Tensor:

@@ -65,9 +65,14 @@ def apply_recompute(model: nn.Module, parts: Parts, cfg: ParallelConfig, layout)
     """Wrap layers (full) or the family's selective submodules of each layer (the attention core)
     of `model` in place, by its family's `parts`; `layout` (megalm.parallel.Layout) says which stages
     this rank runs and holds the tp streams."""
+    layers = getattr(model, parts.layers)
+    if cfg.recompute_activation:  # each dense MLP frees its activation output (megalm.models.layers.MLP)
+        for layer in layers.values():
+            for module in layer.modules():
+                if hasattr(module, "recompute_activation"):
+                    module.recompute_activation = True
     if cfg.recompute == "none":
         return
-    layers = getattr(model, parts.layers)
     if cfg.recompute == "selective":
         for layer in layers.values():
             for path in parts.selective:

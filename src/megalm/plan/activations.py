@@ -102,8 +102,10 @@ def _norm_kept(d: _Shape, element: int) -> float:
 def _mlp(d: _Shape) -> float:
     """GELU: fc1's output (GELU's input) and GELU's output (fc2's input), f each. ReLU: its output only
     (its own backward and fc2's input). SwiGLU: fc1's output [gate | up] (2f, SiLU and the product keep
-    views of it), SiLU's output and the product (f each). / t."""
-    return (4 if d.swiglu else 1 if d.relu else 2) * d.f * d.e / d.t
+    views of it), SiLU's output and the product (f each). / t. parallel.recompute_activation frees fc2's input
+    (GELU's output, SwiGLU's product) after fc2's forward: f less; ReLU's is left alone."""
+    kept = 4 if d.swiglu else 1 if d.relu else 2
+    return (kept - (1 if d.recompute_act and not d.relu else 0)) * d.f * d.e / d.t
 
 
 def _hidden_dropout(d: _Shape) -> float:
@@ -267,8 +269,10 @@ def _peak(actions, kept: List[int], freed_by_input: List[int]) -> Tuple[int, int
             live, alive = live + kept[k], alive + 1
             if live > peak:
                 peak, at_peak = live, alive
-        elif kind == "I":
+        elif kind == "I":  # (it may also refill: parallel.recompute_activation's fc2 inputs)
             live -= freed_by_input[k]
+            if live > peak:
+                peak, at_peak = live, alive
         else:  # B frees the whole forward, W what the input pass left
             live -= kept[k] - (freed_by_input[k] if kind == "W" else 0)
             alive -= 1
@@ -324,8 +328,10 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
         checkpointed = full if p.recompute == "full" else (n if p.recompute == "selective" else 0)
         kept.append(full * whole + (n - full) * plain + (embedding_bytes(cfg, world, device) if s == 0 else 0)
                     + (head + loss if last else 0) + (d.b * d.s if d.bert and checkpointed else 0))
-        # The zero-bubble input pass drops what no weight gradient needs: the loss buffers behind the head.
-        freed_by_input.append(loss if last else 0)
+        # The zero-bubble input pass drops what no weight gradient needs: the loss buffers behind the head; with
+        # parallel.recompute_activation it refills each layer's fc2 input, which the weight pass then needs.
+        refilled = (n - full) * d.s * d.b * d.f * d.e / d.t if d.recompute_act and not d.relu and not d.experts else 0
+        freed_by_input.append((loss if last else 0) - refilled)
     weights = _weight_copy_bytes(d, kept_layers, num_stages - 1 in stage_ids)
     # The schedule splits the step's joined batch: without tp the embedding keeps views of its token ids,
     # and BERT's token-type lookup (replicated at any tp) views of its token types.

@@ -74,6 +74,7 @@ class _Shape:
     unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
     fused_head: bool = False  # model.fused_loss: the head's matmul inside the chunked loss (its input gathered whole)
     main: bool = False        # trainer.mixed_precision=main_params in bf16 / fp16: the weights are in the compute dtype
+    recompute_act: bool = False  # parallel.recompute_activation: the MLP's activation output is freed after fc2's forward
 
     @property
     def r(self) -> int:
@@ -148,7 +149,7 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
                   expert_tp=p.expert_tp if dims.tp > 1 else 1, fused_head=getattr(m, "fused_loss", False),
                   unfused=_unfused(m, tr, device),
-                  main=param_dtype(tr) is not None)
+                  main=param_dtype(tr) is not None, recompute_act=getattr(p, "recompute_activation", False))
 
 
 def held_bytes(trainer) -> int:
