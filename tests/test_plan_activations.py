@@ -166,7 +166,8 @@ class _SavedBytes:
         if storage.data_ptr() in self.persistent or storage.nbytes() == 0:
             return tensor
         # The storage itself is the key (its data may move: a freed storage's address can be reused meanwhile)
-        return _Held(self, storage._cdata, tensor.detach())  # no grad_fn: a saved output must not keep its own node alive
+        # no grad_fn: a saved output must not keep its own node alive
+        return _Held(self, storage._cdata, tensor.detach())
 
     @staticmethod
     def unpack(held):

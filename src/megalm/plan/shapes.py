@@ -74,7 +74,7 @@ class _Shape:
     unfused: bool = False     # model.attention_backend resolves to unfused (megalm.models.layers.attention_backend)
     fused_head: bool = False  # model.fused_loss: the head's matmul inside the chunked loss (its input gathered whole)
     main: bool = False        # trainer.mixed_precision=main_params in bf16 / fp16: the weights are in the compute dtype
-    recompute_act: bool = False  # parallel.recompute_activation: the MLP's activation output is freed after fc2's forward
+    recompute_act: bool = False  # parallel.recompute_activation: fc2's input freed after its forward
 
     @property
     def r(self) -> int:
