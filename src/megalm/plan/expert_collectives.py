@@ -13,8 +13,9 @@ from megalm.plan.shapes import FP32, held_bytes, local_tokens, microbatches
 def moe_row_bytes(cfg, tp: int) -> int:
     """Bytes of one all-to-all of a MoE layer's rows under expert parallelism, for one micro-batch: the `moe_rows`
     (token, expert) rows of the rank's routed tokens (b x s / tp), h each in the residual stream's dtype (fp32, or
-    the weights' under main_params: `held_bytes`; the norm's output, the experts' output back). Balanced routing: what a rank sends out equals what it receives and sends back. Expert tensor
-    parallelism's all-to-alls send tp times this (`expert_tensor_parallel`)."""
+    the weights' under main_params: `held_bytes`; the norm's output, the experts' output back). Balanced routing:
+    what a rank sends out equals what it receives and sends back. Expert tensor parallelism's all-to-alls send tp
+    times this (`expert_tensor_parallel`)."""
     m, t = cfg.model, cfg.trainer
     tokens = t.micro_batch_size * local_tokens(cfg) // tp
     return moe_rows(tokens, m.num_experts, m.moe_router_topk, m.moe_capacity_factor) * m.hidden_size * held_bytes(t)

@@ -153,9 +153,9 @@ def count_traffic(cfg, fake: bool = True) -> CountedTraffic:
     first stage's part before the layers (embedding) and through the last stage's part after them (final
     norm, heads; the ops over the logits are left to `loss_traffic_bytes`), forward then backward, under
     trainer.precision's autocast, with the weights in the 2-byte dtype under trainer.mixed_precision=main_params
-    (so no weight casts, and a residual stream of that dtype). `fake`: on FakeTensorMode tensors (nothing allocated: any model size);
-    False runs the same on real CPU tensors (the tests' reference). Cached per model, micro-batch and
-    precision."""
+    (so no weight casts, and a residual stream of that dtype). `fake`: on FakeTensorMode tensors (nothing
+    allocated: any model size); False runs the same on real CPU tensors (the tests' reference). Cached per model,
+    micro-batch, precision and weights' dtype."""
     import torch
     m, t = cfg.model, cfg.trainer
     low = param_dtype(t)
