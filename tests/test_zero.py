@@ -91,12 +91,22 @@ def _zero3_timeline(rank, world):
         unit.register_forward_pre_hook(lambda m, a: held.append(dp.weight_bytes()))
     for p in model.parameters():
         p.register_hook(lambda g: held.append(dp.weight_bytes()))
+    ready = []  # per backward: each unit (by forward index) as its backward begins, and whether its weights were
+    pre_backward = dp._pre_backward  # already gathered or gathering then (a later call for the same unit is skipped)
+
+    def record(unit, grad):
+        i = dp.units.index(unit)
+        if all(i != j for j, _ in ready[-1]):
+            ready[-1].append((i, all(b.gathered for b in dp.unit_buckets[unit])))
+        return pre_backward(unit, grad)
+    dp._pre_backward = record  # the output hooks look the method up on the instance as they are registered
     steps = []
     for _ in range(2):
         seen = []
         for x in batches:
             with count_comm() as fwd:
                 loss = model(x[:, :-1], labels=x[:, 1:]) / len(batches)
+            ready.append([])
             with count_comm() as bwd:
                 loss.backward()
             seen.append((dict(fwd.bytes), dict(bwd.bytes)))
@@ -110,7 +120,7 @@ def _zero3_timeline(rank, world):
     total = sum(b.size for b in dp.buckets)
     tied = sum(b.size for b in dp.unit_buckets[model.head])  # the head's weight is the embedding's
     largest = max(sum(b.size for b in dp.unit_buckets[u]) for u in dp.units)
-    return steps, total, tied, largest, held, dp.dp
+    return steps, total, tied, largest, held, dp.dp, ready, len(dp.units)
 
 
 def _dp2_measurements(rank, world):
@@ -133,7 +143,7 @@ def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest(dp2):
     embedding and again for the head) and once in backward; gradients reduce-scatter as in ZeRO-2;
     the update moves nothing. Between steps a rank holds 1/dp of the weights, and while computing
     never more than a few layers beyond that."""
-    steps, total, tied, largest, held, dp = dp2[0]["zero3"]
+    steps, total, tied, largest, held, dp, _, _ = dp2[0]["zero3"]
     assert tied > 0 and largest < total / 3
     shard_bytes = 4 * total // dp
     for i, (seen, fin, upd, at_rest) in enumerate(steps):
@@ -148,6 +158,17 @@ def test_zero3_gathers_each_layer_when_used_and_holds_a_shard_at_rest(dp2):
     # The unit computing, the one prefetched and the tied embedding (used by the head) at most.
     assert max(held) <= shard_bytes + 4 * (2 * largest + tied)
     assert min(held) > shard_bytes  # something was gathered whenever a unit ran
+
+
+def test_zero3_backward_gathers_the_next_unit_while_the_current_one_computes(dp2):
+    """Backward runs the units last to first; when each begins, its weights were already gathered (or gathering),
+    started when the unit after it began, except the first, freed at the end of the forward."""
+    for rank in dp2:
+        *_, ready, units = rank["zero3"]
+        assert len(ready) == 4  # two steps of two micro-batches
+        for order in ready:
+            assert [i for i, _ in order] == list(reversed(range(units)))
+            assert [g for _, g in order] == [False] + [True] * (units - 1)
 
 
 @pytest.mark.parametrize("main", [False, True], ids=["fp32", "main_params"])

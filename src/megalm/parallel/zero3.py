@@ -12,8 +12,10 @@ the optimizer's bookkeeping never change; only the bytes come and go.
 - forward: a pre-hook all-gathers the unit's buckets (and starts the next unit's gather, so it
   overlaps this unit's compute); a post-hook frees them again, and hooks the unit's outputs.
 - backward: the output hook fires when the gradient reaches the unit, before its backward runs,
-  and gathers the buckets again; they are freed once every parameter of the unit has had its
-  gradient of that micro-batch accumulated. Gradients are reduce-scattered as in ZeRO-2.
+  and gathers the buckets again (and starts the gather of the unit before it, whose backward comes
+  next, so that one too overlaps this unit's compute); they are freed once every parameter of the
+  unit has had its gradient of that micro-batch accumulated. Gradients are reduce-scattered as in
+  ZeRO-2.
 - Zero-bubble schedules assign weight gradients themselves (no accumulate hooks fire), so there
   a unit stays gathered from its input-gradient pass until the step's backward ends.
 - The optimizer step writes only the shards; the next forward gathers the new values. With main
@@ -66,6 +68,7 @@ class FullyShardedDataParallel(DataParallel):
                     buckets.append(b)
             self.unit_buckets[unit] = buckets
         self.next_unit = {a: b for a, b in zip(self.units, self.units[1:])}
+        self.previous_unit = {b: a for a, b in zip(self.units, self.units[1:])}
         # The hooks resize storages and wait on async gathers: torch.compile (trainer.compile) runs them
         # eagerly between its graphs rather than tracing them.
         pre, post = torch.compiler.disable(self._pre_forward), torch.compiler.disable(self._post_forward)
@@ -148,6 +151,10 @@ class FullyShardedDataParallel(DataParallel):
         for b in self.unit_buckets[unit]:
             self._gather(b)
             b.pending.update(p for p in b.params if p.requires_grad)
+        before = self.previous_unit.get(unit)
+        if before is not None:  # prefetch: the unit whose backward comes next gathers while this one computes
+            for b in self.unit_buckets[before]:
+                self._gather(b, wait=False)
 
     def _on_grad(self, p: nn.Parameter) -> None:
         super()._on_grad(p)

@@ -105,7 +105,9 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       bucket waited on where a layer first uses it) and shows only beyond it, at least its first bucket (the
       first layers wait for theirs); the tied-embedding sum is exposed, and so are the gradient-norm and loss
       scalars, each 2 log2(world) latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers (the experts' over their
-      (dp / ep) x cp ranks under expert parallelism) are prefetched and show only beyond the rank's compute;
+      (dp / ep) x cp ranks under expert parallelism) are prefetched one unit ahead in forward and in backward
+      and show only beyond the rank's compute, at least one bucket a pass (the first unit of each micro-batch's
+      forward and backward waits for its own);
     - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
       `updated_params` per pipeline rank).
     The step ends when the slowest pipeline rank has done all of it.
@@ -195,8 +197,9 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
         buckets = max(1, buckets)
         exposed_reduce = max(reduce_s - last_backward, reduce_s / buckets) if reduce_s else 0.0
         compute = flops_of_rank[r] / rate
-        if p.zero_stage == 3:
-            exposed_gather = max(0.0, gather_s - compute)
+        if p.zero_stage == 3 and gathers:  # each unit's gather runs behind the unit before it (forward) or after it
+            # (backward); a pass's first unit has nothing to hide behind: one bucket per forward and backward
+            exposed_gather = max(gather_s - compute, 2 * m * gather_s / gathers)
         elif p.overlap_param_gather and gathers:
             first_forward = sum(work[s].forward for s in range(S) if owner[s] == r) / rate
             exposed_gather = max(gather_s / gathers, gather_s - first_forward)
