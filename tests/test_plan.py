@@ -828,3 +828,22 @@ def test_zero3_gathers_show_one_bucket_a_pass_when_compute_covers_the_rest():
     exposed = got["estimate"]["after_backward"][0]["dp_gather"]
     assert exposed == pytest.approx(2 * 2 * whole / gathers["all_gather"]["calls"], rel=1e-12)
     assert exposed < got["estimate"]["pipeline_seconds"] / 100
+
+
+@pytest.mark.parametrize("tp, rails", [(1, 8), (2, 4), (8, 1)])
+def test_a_group_across_nodes_crosses_on_each_of_its_devices_network_share(tp, rails):
+    """On slurm_h100 (8 devices a node, each with its own 50 GB/s adapter; NVLink 450 GB/s) the dp group of a
+    16-device layout spans two nodes with 8 / tp of its ranks on each: its ring crosses between the nodes on that
+    many adapters at once, at most NVLink's pace; a group with one rank a node, or spread unevenly, on one."""
+    from megalm.plan.collective_time import group_ranks, link
+    from megalm.distributed.mesh import ParallelDims
+    cfg, world = plan_config(["model=gpt_1_3b", "cluster=slurm_h100", "cluster.nodes=2", f"parallel.tp={tp}",
+                              f"parallel.dp={16 // tp}", "trainer.micro_batch_size=1", "trainer.global_batch_size=16"])
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    ranks = group_ranks(dims, "dp", 0)
+    assert len(ranks) == 16 // tp and len({r // 8 for r in ranks}) == 2
+    bw, lat = link(cfg.cluster, ranks)
+    assert bw == pytest.approx(min(rails * 50e9, 450e9) * cfg.cluster.comm_efficiency)
+    assert lat == cfg.cluster.inter_node_latency
+    assert link(cfg.cluster, [0, 1, 2, 8])[0] == pytest.approx(50e9 * cfg.cluster.comm_efficiency)
+    assert link(cfg.cluster, [0, 1, 2])[0] == pytest.approx(450e9 * cfg.cluster.comm_efficiency)

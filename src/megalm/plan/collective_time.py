@@ -4,6 +4,7 @@ between them (`link`)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Dict, List, Optional, Sequence, Tuple
 
 
@@ -88,11 +89,23 @@ def inside_one_node(ranks: Sequence[int], devices_per_node: int) -> bool:
 
 
 def link(cluster, ranks: Sequence[int]) -> Tuple[Optional[float], float]:
-    """(effective bytes/s, latency) of a group: NVLink inside one node, the network otherwise (a ring
-    across nodes runs at the slowest link's pace). Bandwidth None when the profile does not give it."""
+    """(effective bytes/s, latency) of a group: NVLink inside one node, the network otherwise. Across nodes a
+    group with k ranks on each node crosses between nodes on k devices' shares of the network at once (NCCL
+    splits a collective over channels, each ring through its own device's adapter on a node with one per
+    device, as DGX H100 has), so its ring runs at min(k x the network, NVLink): k = 1 when every rank sits on
+    a node of its own, or when the group's ranks are shared unevenly (its fewest on any node). Bandwidth None
+    when the profile does not give it."""
     intra = inside_one_node(ranks, cluster.devices_per_node)
-    bw = cluster.intra_node_bandwidth if intra else cluster.inter_node_bandwidth
     lat = cluster.intra_node_latency if intra else cluster.inter_node_latency
+    if intra:
+        bw = cluster.intra_node_bandwidth
+    elif cluster.inter_node_bandwidth:
+        rails = min(Counter(r // cluster.devices_per_node for r in ranks).values())
+        bw = rails * cluster.inter_node_bandwidth
+        if rails > 1 and cluster.intra_node_bandwidth:
+            bw = min(bw, cluster.intra_node_bandwidth)
+    else:
+        bw = None
     return (bw * cluster.comm_efficiency if bw else None), lat
 
 

@@ -104,10 +104,10 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
       exposed, or with parallel.overlap_param_gather overlaps the next step's first forward on the rank (each
       bucket waited on where a layer first uses it) and shows only beyond it, at least its first bucket (the
       first layers wait for theirs); the tied-embedding sum is exposed, and so are the gradient-norm and loss
-      scalars, each 2 log2(world) latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers (the experts' over their
-      (dp / ep) x cp ranks under expert parallelism) are prefetched one unit ahead in forward and in backward
-      and show only beyond the rank's compute, at least one bucket a pass (the first unit of each micro-batch's
-      forward and backward waits for its own);
+      scalars, each 2 log2(world) latencies (a tree, as NCCL runs small all-reduces); ZeRO-3's gathers (the
+      experts' over their (dp / ep) x cp ranks under expert parallelism) are prefetched one unit ahead in
+      forward and in backward and show only beyond the rank's compute, at least one bucket a pass (the first
+      unit of each micro-batch's forward and backward waits for its own);
     - the optimizer step streams the parameters this rank updates through device memory (`optimizer_seconds`;
       `updated_params` per pipeline rank).
     The step ends when the slowest pipeline rank has done all of it.
