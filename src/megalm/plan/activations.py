@@ -105,7 +105,12 @@ def _mlp(d: _Shape) -> float:
     views of it), SiLU's output and the product (f each). / t. parallel.recompute_activation frees fc2's input
     (GELU's output, SwiGLU's product) after fc2's forward: f less; ReLU's is left alone."""
     kept = 4 if d.swiglu else 1 if d.relu else 2
-    return (kept - (1 if d.recompute_act and not d.relu else 0)) * d.f * d.e / d.t
+    return (kept - (1 if _frees_fc2_input(d) else 0)) * d.f * d.e / d.t
+
+
+def _frees_fc2_input(d: _Shape) -> bool:
+    """parallel.recompute_activation applies: a dense MLP whose activation's output is not its own saved tensor."""
+    return d.recompute_act and not d.relu and not d.experts
 
 
 def _hidden_dropout(d: _Shape) -> float:
@@ -330,7 +335,7 @@ def stage_activation_bytes(cfg, world: int, pp_rank: int, device: Optional[str] 
                     + (head + loss if last else 0) + (d.b * d.s if d.bert and checkpointed else 0))
         # The zero-bubble input pass drops what no weight gradient needs: the loss buffers behind the head; with
         # parallel.recompute_activation it refills each layer's fc2 input, which the weight pass then needs.
-        refilled = (n - full) * d.s * d.b * d.f * d.e / d.t if d.recompute_act and not d.relu and not d.experts else 0
+        refilled = (n - full) * d.s * d.b * d.f * d.e / d.t if _frees_fc2_input(d) else 0
         freed_by_input.append((loss if last else 0) - refilled)
     weights = _weight_copy_bytes(d, kept_layers, num_stages - 1 in stage_ids)
     # The schedule splits the step's joined batch: without tp the embedding keeps views of its token ids,

@@ -75,12 +75,8 @@ class _Shape:
     fused_head: bool = False  # model.fused_loss: the head's matmul inside the chunked loss (its input gathered whole)
     main: bool = False        # trainer.mixed_precision=main_params in bf16 / fp16: the weights are in the compute dtype
     recompute_act: bool = False  # parallel.recompute_activation: fc2's input freed after its forward
-
-    @property
-    def r(self) -> int:
-        """Bytes of a residual-stream element: fp32 under autocast (fp32 weights and embeddings, so the residual
-        sums stay fp32), the compute dtype with low-precision weights (`main`), as in Megatron."""
-        return self.e if self.main else FP32
+    r: int = FP32  # bytes of a residual-stream element (`held_bytes`): fp32 under autocast (fp32 weights and
+    #                embeddings, so the residual sums stay fp32), the weights' dtype under main, as in Megatron
 
     @property
     def seq(self) -> int:
@@ -149,7 +145,8 @@ def _shape(cfg, world: int, device: Optional[str] = None) -> _Shape:
                   capacity=getattr(m, "moe_capacity_factor", None), ep=p.ep, relu=m.activation == "relu",
                   expert_tp=p.expert_tp if dims.tp > 1 else 1, fused_head=getattr(m, "fused_loss", False),
                   unfused=_unfused(m, tr, device),
-                  main=param_dtype(tr) is not None, recompute_act=getattr(p, "recompute_activation", False))
+                  main=param_dtype(tr) is not None, recompute_act=getattr(p, "recompute_activation", False),
+                  r=held_bytes(tr))
 
 
 def held_bytes(trainer) -> int:
