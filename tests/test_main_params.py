@@ -124,6 +124,7 @@ LAYOUTS = [
     ("llama", ["parallel=pp2", "parallel.pipeline_schedule=interleaved_zb", "parallel.virtual_pipeline_size=2"], 2),
     ("llama", ["parallel=pp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2"], 2),
     ("llama", ["parallel=tp2", "parallel.sequence_parallel=true"], 2),
+    ("llama", ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"], 2),
     ("llama", ["parallel=pp2_dp2", "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2",
                "parallel.zero_stage=2"], 4),
     ("llama", ["parallel=tp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=3"], 4),

@@ -45,6 +45,11 @@ LAYOUTS = [
     ("llama", ["parallel=pp2", "parallel.layers_per_stage=[1,3]"], 2),
     ("gpt2", ["parallel=pp4"], 4),
     ("gpt2", ["parallel=tp2_pp2", "parallel.sequence_parallel=true"], 4),
+    # parallel.tp_comm_overlap: sp's collectives in pieces beside the matmuls; with the zero-bubble split backward
+    # and full recomputation's replayed forward.
+    ("gpt2", ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"], 2),
+    ("llama", ["parallel=tp2_pp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+               "parallel.pipeline_schedule=zbv", "parallel.virtual_pipeline_size=2", "parallel.recompute=full"], 4),
     # ZeRO: optimizer state (1), and gradients (2) sharded over dp.
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=1"], 2),
     ("gpt2", ["parallel=dp2", "parallel.zero_stage=2"], 2),

@@ -847,3 +847,27 @@ def test_a_group_across_nodes_crosses_on_each_of_its_devices_network_share(tp, r
     assert lat == cfg.cluster.inter_node_latency
     assert link(cfg.cluster, [0, 1, 2, 8])[0] == pytest.approx(50e9 * cfg.cluster.comm_efficiency)
     assert link(cfg.cluster, [0, 1, 2])[0] == pytest.approx(450e9 * cfg.cluster.comm_efficiency)
+
+
+def test_overlapped_tensor_parallel_collectives_show_one_piece_each_when_the_matmuls_cover_them():
+    """parallel.tp_comm_overlap: sequence parallelism's all-gathers and reduce-scatters run beside the linears'
+    matmuls in tp pieces, so when the matmuls take longer, the step waits on one piece of them (the first gather,
+    the last reduce-scatter of each); the rest of tp's collectives (the sp parameters' and the loss's all-reduces)
+    are waited on as before. GPT-3 1.3B at tp8 + sp on one H100 node, bf16."""
+    from megalm.plan.collective_time import group_seconds, link
+    over = ["model=gpt_175b", "model.num_layers=8", "parallel.tp=8", "parallel.sequence_parallel=true",
+            "trainer.global_batch_size=8",
+            "trainer.micro_batch_size=1", "trainer.precision=bf16", "cluster=slurm_h100"]
+    waited = _plan(*over)
+    overlapped = _plan(*over, "parallel.tp_comm_overlap=true")
+    cfg, _ = plan_config(["cluster=slurm_h100"])
+    kinds = overlapped["positions"][0]["collectives"]["tp"]
+    assert set(kinds) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert kinds["all_gather"]["bytes"] == waited["positions"][0]["collectives"]["tp"]["all_gather"]["bytes"]
+    at = link(cfg.cluster, range(8))
+    pieces = group_seconds({k: kinds[k] for k in ("all_gather", "reduce_scatter")}, 8, *at)
+    rest = group_seconds({"all_reduce": kinds["all_reduce"]}, 8, *at)
+    exposed = overlapped["estimate"]["tp_exposed_seconds"][0]
+    assert exposed == pytest.approx(rest + pieces / 8, rel=1e-12)
+    assert waited["estimate"]["tp_exposed_seconds"][0] == waited["estimate"]["tp_seconds"][0] > 2 * exposed
+    assert overlapped["estimate"]["pipeline_seconds"] < waited["estimate"]["pipeline_seconds"]

@@ -97,6 +97,10 @@ TWO_RANKS = [
     # rotary): the same column -> row pairs a layer, so the decoder formulas count its collectives and state.
     [*NEOX, "parallel=tp2", "parallel.sequence_parallel=true", "model.dropout=0.1"],
     [*NEOX, "parallel=pp2", "parallel.pipeline_schedule=1f1b"],
+    # parallel.tp_comm_overlap: sp's collectives in pieces (2 here; 4 at tp4 below), the replayed ones too
+    ["parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true", *LLAMA,
+     "parallel.recompute=full", "model.dropout=0.1"],
+    [*BERT, "parallel=tp2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"],
     *([*MAIN, *o] for o in (
         ["parallel=dp2", "parallel.zero_stage=0", *ODD], ["parallel=dp2", "parallel.zero_stage=1", *ODD],
         ["parallel=dp2", "parallel.zero_stage=2", *LLAMA], ["parallel=dp2", "parallel.zero_stage=3", *ODD],
@@ -110,6 +114,8 @@ TWO_RANKS = [
         [*BERT, "parallel=pp2", "parallel.pipeline_schedule=1f1b"])),
 ]
 EIGHT_RANKS = [["parallel=tp2_pp2_dp2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],
+               ["parallel=tp4", "parallel.pp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true",
+                *MAIN],
                ["parallel=tp2_pp2_dp2", "parallel.zero_stage=3", *LLAMA],
                # cp2 with tp2 + sp and a pipeline: every term on the rank's half of each sequence
                ["parallel=tp2_pp2", "parallel.cp=2", "parallel.sequence_parallel=true", "parallel.zero_stage=1"],

@@ -127,6 +127,13 @@ class ParallelConfig:
     overlap_param_gather: bool = False
     """ZeRO 1/2: the parameter all-gather after the update runs in the background, each bucket waited on when the
     next forward first uses one of its weights (Megatron's --overlap-param-gather); false: waited on at once."""
+    tp_comm_overlap: bool = False
+    """Under sequence parallelism, hide tensor parallelism's collectives behind matmuls (Megatron's
+    --tp-comm-overlap): the all-gather before each column-parallel linear and the reduce-scatter after each
+    row-parallel one are cut into tp pieces along the sequence, each piece's matmul running while the next
+    piece moves; in backward the input's gather runs beside the input-gradient matmul and its gradient's
+    reduce-scatter beside the weight-gradient one. The same values up to the rounding of a matmul over fewer
+    rows; false: every collective waited on between the matmuls."""
     recompute: str = "none"
     """none | selective (attention core) | full (whole blocks) activation recomputation."""
     recompute_num_layers: Optional[int] = None

@@ -201,6 +201,15 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
     if p.bucket_size_mb is not None and not p.bucket_size_mb > 0:
         raise ConfigError(f"parallel.bucket_size_mb={p.bucket_size_mb} must be positive, or null for Megatron's "
                           f"max(40M, 1M x dp) parameters a bucket")
+    if p.tp_comm_overlap and not (p.tp > 1 and p.sequence_parallel):
+        raise ConfigError(f"parallel.tp_comm_overlap=true overlaps sequence parallelism's all-gathers and "
+                          f"reduce-scatters with the matmuls beside them; with parallel.tp={p.tp} and "
+                          f"parallel.sequence_parallel={str(p.sequence_parallel).lower()} there are none: set "
+                          f"parallel.sequence_parallel=true with tp > 1, or parallel.tp_comm_overlap=false")
+    if p.tp_comm_overlap and t.compile != "none":
+        raise ConfigError(f"parallel.tp_comm_overlap=true runs its pieces eagerly, and trainer.compile="
+                          f"{t.compile} traces the layers into graphs with their collectives whole: set "
+                          f"trainer.compile=none or parallel.tp_comm_overlap=false")
     if p.recompute_activation and (p.recompute == "full" or getattr(m, "num_experts", 0)):
         raise ConfigError("parallel.recompute_activation=true recomputes a dense MLP's activation; "
                           + ("with parallel.recompute=full the whole layer is recomputed already"

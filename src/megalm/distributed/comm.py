@@ -333,31 +333,6 @@ def all_reduce_sum(x: Tensor, group) -> Tensor:
     return x
 
 
-# Flat-buffer collectives of data parallelism (gradient buckets, ZeRO shards). With async_op the
-# work handle is returned; its time is then not inside `seconds` (the caller waits for it), and
-# under `time_comm` the handle's wait() counts as blocked time.
-
-def bucket_all_reduce(x: Tensor, group, async_op: bool = False):
-    """Sum x over the group in place."""
-    with _record("all_reduce", _nbytes(x), async_op=async_op) as span:
-        work = dist.all_reduce(x, group=group, async_op=async_op)
-    return _handle(work, span, async_op, "all_reduce")
-
-
-def bucket_reduce_scatter(out: Tensor, x: Tensor, group, async_op: bool = False):
-    """Sum the flat x over the group; this rank keeps chunk `rank` of it in out (x.numel() / world)."""
-    with _record("reduce_scatter", _nbytes(x), async_op=async_op) as span:
-        work = _reduce_scatter_single(out, x, group=group, async_op=async_op)
-    return _handle(work, span, async_op, "reduce_scatter")
-
-
-def bucket_all_gather(out: Tensor, x: Tensor, group, async_op: bool = False):
-    """Concatenate every rank's flat x into out, in rank order."""
-    with _record("all_gather", _nbytes(x), async_op=async_op) as span:
-        work = _all_gather_single(out, x, group=group, async_op=async_op)
-    return _handle(work, span, async_op, "all_gather")
-
-
 # ---------------------------------------------------------------------------------------------
 # Autograd functions
 # ---------------------------------------------------------------------------------------------

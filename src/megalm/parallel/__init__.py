@@ -132,7 +132,8 @@ def parallelize(model: nn.Module, family: Family, mesh, cfg: ParallelConfig, see
                               "use parallel.tp=1")
         plan = family.tp_plan(model.cfg, tp.size(), cfg.sequence_parallel)
         layout.tp_rng = apply_tensor_parallel(model, plan, tp.get_group(), sequence_parallel=cfg.sequence_parallel,
-                                              seed=seed, rng_device=torch.device(mesh.device_type))
+                                              seed=seed, rng_device=torch.device(mesh.device_type),
+                                              comm_overlap=cfg.tp_comm_overlap)
     if layout.embedding_group is not None:
         held = dict(model.named_parameters())
         (copy, source), = tied

@@ -59,7 +59,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalm.distributed.comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
+from megalm.distributed.async_comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
 from megalm.distributed.mesh import replica_mesh
 from megalm.parallel.grads import sum_replicas
 

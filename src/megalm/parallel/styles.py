@@ -51,6 +51,7 @@ class TPContext:
     sequence_parallel: bool
     rng: TPRNG
     device: object  # where the modules are built (meta)
+    comm_overlap: bool = False  # parallel.tp_comm_overlap: the sp linears overlap their collectives with matmuls
 
     @property
     def size(self) -> int:
@@ -156,7 +157,7 @@ class ColumnParallel:
     def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module:
         return ColumnParallelLinear(module.in_features, self.rows or module.out_features, bias=module.bias is not None,
                                     segments=self.segments, group=ctx.group, sequence_parallel=ctx.sequence_parallel,
-                                    device=ctx.device)
+                                    comm_overlap=ctx.comm_overlap, device=ctx.device)
 
 
 @dataclass(frozen=True)
@@ -165,7 +166,8 @@ class RowParallel:
 
     def apply(self, module: nn.Linear, ctx: TPContext) -> nn.Module:
         return RowParallelLinear(module.in_features, module.out_features, bias=module.bias is not None,
-                                 group=ctx.group, sequence_parallel=ctx.sequence_parallel, device=ctx.device)
+                                 group=ctx.group, sequence_parallel=ctx.sequence_parallel,
+                                 comm_overlap=ctx.comm_overlap, device=ctx.device)
 
 
 @dataclass(frozen=True)
@@ -247,11 +249,11 @@ def apply_plan(model: nn.Module, plan: Plan, ctx) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, plan: Plan, group, *, sequence_parallel: bool, seed: int,
-                          rng_device) -> TPRNG:
+                          rng_device, comm_overlap: bool = False) -> TPRNG:
     """Shard `model` over `group` by `plan` (its family's tensor-parallel plan), in place; return the tp
     random streams its layers draw from (recomputation replays them, checkpoints save them)."""
     tied = shared_names(model)
     rng = TPRNG(seed, group.rank(), rng_device)  # the device training will run on; the model is on meta
-    apply_plan(model, plan, TPContext(group, sequence_parallel, rng, next(model.parameters()).device))
+    apply_plan(model, plan, TPContext(group, sequence_parallel, rng, next(model.parameters()).device, comm_overlap))
     retie(model, tied)  # a tied weight swapped on both sides is shared again
     return rng

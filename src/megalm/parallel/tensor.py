@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from megalm.distributed.async_comm import start_all_gather, start_reduce_scatter
 from megalm.distributed.comm import (all_gather_dim, all_reduce_max, all_reduce_sum, copy_to_tp, gather_last_dim,
                                      gather_seq, group_rank, group_size, open_stats, reduce_from_tp,
                                      reduce_scatter_dim, reduce_scatter_seq)
@@ -62,33 +63,132 @@ class _GatheredLinear(torch.autograd.Function):
     input's dtype before it is reduce-scattered), so they are the same numbers, bit for bit."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, dim):
+    def forward(ctx, x, weight, bias, group, dim, overlap=False):
         device = x.device.type
         low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         ctx.in_dtype, ctx.low = x.dtype, low
         if low is not None and x.dtype != low:
             x = x.to(low)
-        full = all_gather_dim(x, group, dim)  # (B, T/tp, in) → (B, T, in)
-        y = F.linear(full, weight, bias)  # (B, T, out/tp)
+        if overlap:
+            y = _gather_matmul(x, weight, bias, group)  # (B, T/tp, in) → (B, T, out/tp), by pieces
+        else:
+            full = all_gather_dim(x, group, dim)  # (B, T/tp, in) → (B, T, in)
+            y = F.linear(full, weight, bias)  # (B, T, out/tp)
         ctx.save_for_backward(x, weight, bias)
-        ctx.group, ctx.dim, ctx.stats = group, dim, open_stats()
+        ctx.group, ctx.dim, ctx.stats, ctx.overlap = group, dim, open_stats(), overlap
         return y
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, bias = ctx.saved_tensors
-        full = all_gather_dim(x, ctx.group, ctx.dim, stats=ctx.stats)  # the shard gathered again
         w = weight.to(ctx.low) if ctx.low is not None else weight  # autocast's cast of the weight, made again
         g = grad.reshape(-1, grad.shape[-1])  # (B*T, out/tp)
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_full = g.mm(w).view(full.shape).to(ctx.in_dtype)  # (B, T, in)
-            grad_x = reduce_scatter_dim(grad_full, ctx.group, ctx.dim, stats=ctx.stats)  # (B, T/tp, in)
+        shape = list(x.shape)
+        shape[ctx.dim] *= group_size(ctx.group)  # (B, T, in)
+        grad_x = grad_w = grad_b = grad_full = None
+        if ctx.overlap:  # the gather runs while the input's gradient is computed, the reduce-scatter during the
+            # weight's: the same operations as below, each collective beside a matmul that does not need it
+            gathering = start_all_gather(x, ctx.group, ctx.dim, stats=ctx.stats)
+            if ctx.needs_input_grad[0]:
+                grad_full = g.mm(w).view(shape).to(ctx.in_dtype)
+            full = gathering.wait()
+            scattering = start_reduce_scatter(grad_full, ctx.group, ctx.dim, stats=ctx.stats) \
+                if grad_full is not None else None
+        else:
+            full = all_gather_dim(x, ctx.group, ctx.dim, stats=ctx.stats)  # the shard gathered again
+            if ctx.needs_input_grad[0]:
+                grad_full = g.mm(w).view(shape).to(ctx.in_dtype)  # (B, T, in)
+                grad_x = reduce_scatter_dim(grad_full, ctx.group, ctx.dim, stats=ctx.stats)  # (B, T/tp, in)
         if ctx.needs_input_grad[1]:
             grad_w = g.t().mm(full.reshape(-1, full.shape[-1])).to(weight.dtype)  # (out/tp, in)
         if bias is not None and ctx.needs_input_grad[2]:
             grad_b = g.sum(0).to(bias.dtype)
-        return grad_x, grad_w, grad_b, None, None
+        if ctx.overlap and grad_full is not None:
+            grad_x = scattering.wait()  # (B, T/tp, in)
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def overlap_pieces(tokens: int, tp: int) -> int:
+    """Pieces parallel.tp_comm_overlap cuts a rank's sequence shard of `tokens` tokens into: tp, as many as a ring
+    over the group has steps, or the most below that which divide the shard evenly."""
+    return max(k for k in range(1, tp + 1) if tokens % k == 0)
+
+
+def _gather_matmul(x: Tensor, weight: Tensor, bias: Optional[Tensor], group) -> Tensor:
+    """F.linear(all_gather(x, dim 1), weight, bias) with the gather decomposed (Wang et al., ASPLOS 2023): the
+    (B, S, in) shard is cut into pieces along the sequence; piece i of every rank is multiplied while piece i + 1
+    is gathered. Row for row the product of the whole; each piece's matmul rounds as a matmul of its rows."""
+    world = group_size(group)
+    B, S = x.shape[0], x.shape[1]
+    n = overlap_pieces(S, world)
+    pieces = x.chunk(n, dim=1)  # (B, S/n, in) each
+    gathering = start_all_gather(pieces[0], group, 1)
+    out = None
+    for i in range(n):
+        full = gathering.wait()  # (B, tp S/n, in): piece i of every rank's shard, in rank order
+        if i + 1 < n:
+            gathering = start_all_gather(pieces[i + 1], group, 1)
+        y = F.linear(full, weight, bias)  # (B, tp S/n, out/tp)
+        if out is None:
+            out = y.new_empty(B, world, n, S // n, y.shape[-1])
+        out[:, :, i] = y.view(B, world, S // n, y.shape[-1])
+    return out.view(B, world * S, out.shape[-1])  # (B, T, out/tp): rank r's rows, then rank r + 1's
+
+
+class _ScatteredLinear(torch.autograd.Function):
+    """Sequence parallelism's exit from a row-parallel linear with parallel.tp_comm_overlap: reduce_scatter(x W^T)
+    along the sequence with both decomposed into pieces (Wang et al., ASPLOS 2023). Forward: the partial product
+    of piece i of every rank's region is reduce-scattered while piece i + 1's is computed. Backward: piece i of
+    the output's gradient is all-gathered while the input's gradient of piece i - 1 is computed; the weight's
+    gradient is then one matmul over the gathered whole, as autograd computes linear's. x is (B, T, in/tp) with
+    T = tp S; the result (B, S, out) is this rank's sequence shard of the sum over ranks (no bias: the caller
+    adds it after the sum). Under autocast x is cast to the compute dtype (autocast's cast) and kept so; the
+    weight is cast again in backward rather than kept."""
+
+    @staticmethod
+    def forward(ctx, x, weight, group):
+        device = x.device.type
+        low = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        ctx.in_dtype, ctx.low = x.dtype, low
+        if low is not None and x.dtype != low:
+            x = x.to(low)
+        world = group_size(group)
+        B, T = x.shape[0], x.shape[1]
+        S = T // world
+        n = overlap_pieces(S, world)
+        regions = x.reshape(B, world, S, x.shape[-1])  # rank r's sequence region in [:, r]
+        scattering = []
+        for piece in regions.chunk(n, dim=2):  # (B, tp, S/n, in/tp)
+            partial = F.linear(piece, weight)  # (B, tp, S/n, out)
+            scattering.append(start_reduce_scatter(partial, group, 1))  # → (B, 1, S/n, out), summed
+        z = torch.cat([pending.wait() for pending in scattering], dim=2)  # (B, 1, S, out)
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.pieces, ctx.stats = group, n, open_stats()
+        return z.view(B, S, z.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        w = weight.to(ctx.low) if ctx.low is not None else weight
+        world, n = group_size(ctx.group), ctx.pieces
+        B, S, out = grad.shape
+        g = grad.new_empty(B, world, n, S // n, out)  # the gathered gradient of the partial products
+        grad_x = x.new_empty(B, world, n, S // n, x.shape[-1]) if ctx.needs_input_grad[0] else None
+        pieces = grad.chunk(n, dim=1)  # (B, S/n, out) each
+        gathering = start_all_gather(pieces[0], ctx.group, 1, stats=ctx.stats)
+        for i in range(n):
+            gi = gathering.wait().view(B, world, S // n, out)  # piece i of every rank's output gradient
+            if i + 1 < n:
+                gathering = start_all_gather(pieces[i + 1], ctx.group, 1, stats=ctx.stats)
+            g[:, :, i] = gi
+            if grad_x is not None:
+                grad_x[:, :, i] = gi.matmul(w)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = g.reshape(-1, out).t().mm(x.reshape(-1, x.shape[-1])).to(weight.dtype)  # (out, in/tp)
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape).to(ctx.in_dtype)
+        return grad_x, grad_w, None
 
 
 class ColumnParallelLinear(_ShardedModule):
@@ -97,14 +197,18 @@ class ColumnParallelLinear(_ShardedModule):
     Input (B, T, in) replicated → copy_to_tp (f: its gradient is the sum over ranks), or with
     sequence parallelism (B, T/tp, in) → gather_seq. Output (B, T, out/tp), or the full
     (B, T, out) with gather_output. `segments` describes a fused output ([q | k | v],
-    [gate | up]); each segment is split across ranks (see TPShard).
+    [gate | up]); each segment is split across ranks (see TPShard). `comm_overlap` (sequence
+    parallelism only: parallel.tp_comm_overlap) multiplies each piece of the gathered input while
+    the next piece is gathered, and in backward overlaps the gather with the input's gradient and the
+    reduce-scatter with the weight's.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group,
                  segments: Optional[Sequence[int]] = None, gather_output: bool = False,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, device=None, dtype=None):
         super().__init__()
         world, rank = group_size(group), group_rank(group)
+        self.comm_overlap = comm_overlap and sequence_parallel and world > 1
         if segments is not None and sum(segments) != out_features:
             raise ValueError(f"segments {list(segments)} sum to {sum(segments)}, not out_features={out_features}")
         if out_features % world:
@@ -131,7 +235,8 @@ class ColumnParallelLinear(_ShardedModule):
         fuses the product into itself (the chunked loss, megalm.ops.fused_loss) gets the input after
         this layer's collective and this rank's weight shard, through the module's call (hooks fire)."""
         if self.sequence_parallel and fuse is None and self.world > 1:
-            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group, 1)  # (B, T/tp, in) → (B, T, out/tp)
+            overlap = self.comm_overlap and not torch.compiler.is_compiling()
+            y = _GatheredLinear.apply(x, self.weight, self.bias, self.group, 1, overlap)  # → (B, T, out/tp)
             return self._gathered(y)
         if self.sequence_parallel:
             x = gather_seq(x, self.group, dim=1)  # (B, T/tp, in) → (B, T, in)
@@ -169,13 +274,16 @@ class RowParallelLinear(_ShardedModule):
     products are summed by reduce_from_tp (g), or with sequence parallelism reduce-scattered to
     (B, T/tp, out). The bias is replicated and added once, after the sum. Under sequence
     parallelism each rank's bias gradient covers only its tokens, so the bias is marked
-    `sequence_parallel = True`: its gradient must be all-reduced over the tp group.
+    `sequence_parallel = True`: its gradient must be all-reduced over the tp group. `comm_overlap`
+    (sequence parallelism only: parallel.tp_comm_overlap) reduce-scatters each piece of the partial
+    output while the next piece is multiplied (`_ScatteredLinear`).
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, comm_overlap: bool = False, device=None, dtype=None):
         super().__init__()
         world, rank = group_size(group), group_rank(group)
+        self.comm_overlap = comm_overlap and sequence_parallel and world > 1
         if in_features % world:
             raise ValueError(f"RowParallelLinear in_features={in_features} is not divisible by "
                              f"the tensor-parallel size {world}")
@@ -198,6 +306,9 @@ class RowParallelLinear(_ShardedModule):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"RowParallelLinear expects the last dim {self.in_features} "
                              f"(= {self.global_in_features} / tp {self.world}); got shape {tuple(x.shape)}")
+        if self.comm_overlap and not torch.compiler.is_compiling():
+            y = _ScatteredLinear.apply(x, self.weight, self.group)  # (B, T/tp, out), summed over ranks
+            return y if self.bias is None else y + self.bias
         y = F.linear(x, self.weight)  # (B, T, out), a partial sum over this rank's inputs
         if self.sequence_parallel:
             y = reduce_scatter_seq(y, self.group, dim=1)  # (B, T/tp, out)

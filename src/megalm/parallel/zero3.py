@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from megalm.distributed.comm import bucket_all_gather
+from megalm.distributed.async_comm import bucket_all_gather
 from megalm.family import Parts
 from megalm.parallel.data import Bucket, DataParallel, capped_groups
 

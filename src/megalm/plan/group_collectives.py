@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
+from megalm.parallel.tensor import overlap_pieces
 from megalm.plan.layout import RankLayout
 from megalm.plan.shapes import FP32, INT64, encoder, held_bytes, local_tokens, microbatches
 
@@ -68,7 +69,10 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
     all-gather of the (b, s/tp, h) shard forward (in the compute dtype: under autocast the shard is cast
     before it) and a reduce-scatter of (b, s, h) backward, plus the same all-gather again in backward
     (the linear keeps the shard, not the gathered input: megalm.parallel.tensor._GatheredLinear), each g
-    into a reduce-scatter forward and an all-gather backward. The embedding's lookup is all-reduced
+    into a reduce-scatter forward and an all-gather backward. With parallel.tp_comm_overlap each f's forward
+    all-gather, each g's reduce-scatter and its backward all-gather are issued in k pieces (the same bytes,
+    `megalm.parallel.tensor.overlap_pieces` of the rank's s/tp tokens: tp when they divide evenly); the f's
+    backward gather and reduce-scatter stay whole. The embedding's lookup is all-reduced
     and then split by sequence (learned positions are added to the whole sequence; the split's
     backward all-gathers), or with RoPE reduce-scattered straight into shards (its backward
     all-gathers). Once a step the gradients of sequence-parallel parameters (norms, row-parallel
@@ -127,12 +131,13 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
         if sp:
             _add(per_mb, "all_gather", 1, shard)  # backward of the sequence split
     n = pairs * layers
+    k = overlap_pieces(s // tp, tp) if sp and p.tp_comm_overlap else 1  # tp_comm_overlap: calls a collective is cut in
     if sp:
-        _add(per_mb, "all_gather", n + f_replayed, shard_low * (n + f_replayed))    # f forward
-        _add(per_mb, "all_gather", n, shard_low * n)                                # f backward: the input again
-        _add(per_mb, "reduce_scatter", n + g_replayed, act_low * (n + g_replayed))  # g forward
-        _add(per_mb, "reduce_scatter", n, act * n)                                  # f backward
-        _add(per_mb, "all_gather", n, shard_low * n)                                # g backward
+        _add(per_mb, "all_gather", (n + f_replayed) * k, shard_low * (n + f_replayed))    # f forward
+        _add(per_mb, "all_gather", n, shard_low * n)                                      # f backward: the input again
+        _add(per_mb, "reduce_scatter", (n + g_replayed) * k, act_low * (n + g_replayed))  # g forward
+        _add(per_mb, "reduce_scatter", n, act * n)                                        # f backward
+        _add(per_mb, "all_gather", n * k, shard_low * n)                                  # g backward
     else:
         _add(per_mb, "all_reduce", n + g_replayed, act_low * (n + g_replayed))      # g forward
         _add(per_mb, "all_reduce", n, act * n)                                      # f backward
@@ -142,7 +147,7 @@ def tensor_parallel(cfg, lay: RankLayout) -> Kinds:
         if sp:
             # the head's f as a layer's; model.fused_loss gathers its input whole into the chunked loss, once
             fused = getattr(mdl, "fused_loss", False)
-            _add(per_mb, "all_gather", 1 if fused else 2, shard if fused else 2 * shard_low)
+            _add(per_mb, "all_gather", 1 if fused else 1 + k, shard if fused else 2 * shard_low)
             _add(per_mb, "reduce_scatter", 1, act)
             if encoder(mdl) and mdl.binary_head:
                 _add(per_mb, "all_gather", 1, shard)  # the pooler's gather of the sequence

@@ -8,6 +8,7 @@ import math
 from typing import Dict, List, Optional, Tuple
 
 from megalm.models import flops_per_token
+from megalm.parallel.tensor import overlap_pieces
 from megalm.plan.collective_time import expert_ranks, group_ranks, group_seconds, link, replica_ranks
 from megalm.plan.flops import attention_core_flops_per_token, stage_work
 from megalm.plan.group_collectives import boundary_messages, ring_block_bytes
@@ -81,7 +82,8 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     - every pipeline action (forward, backward, or zero-bubble's input / weight halves) computes its
       FLOPs (`stage_work`) at cluster.matmul_efficiency x the peak of trainer.precision, plus its share
       (by FLOPs) of the rank's tensor-parallel collectives, which wait on the compute (Megatron's layers
-      issue them between dependent matmuls, nothing to overlap them with), and likewise of a mixture of
+      issue them between dependent matmuls, nothing to overlap them with; with parallel.tp_comm_overlap
+      only what `tp_exposed` leaves of sequence parallelism's), and likewise of a mixture of
       experts' all-to-alls over the ep group (each `collective_seconds` over the group's link: the counts,
       the rows out and back, forward and backward, and their replay under full recomputation; dispatch
       waits on each), under expert tensor parallelism its all-to-alls and counts' gather over tp (with tp's
@@ -146,10 +148,25 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
     flops_of_rank = {r: m * sum(work[s].forward + work[s].backward for s in range(S) if owner[s] == r)
                      for r in range(dims.pp)}
 
+    def tp_exposed(r: int) -> float:
+        """tp's collectives the rank waits on: all of them, or under parallel.tp_comm_overlap the sequence-parallel
+        all-gathers and reduce-scatters only beyond the linears' matmuls they run beside (3x the weight-gradient
+        FLOPs: forward, input and weight gradients), and at least one piece of each (the first gather, the last
+        reduce-scatter wait alone)."""
+        kinds = comm[r].get("tp", {})
+        if not p.tp_comm_overlap:
+            return seconds_of("tp", r)
+        pieces = {k: v for k, v in kinds.items() if k in ("all_gather", "reduce_scatter")}
+        hidden = seconds_of("tp", r, pieces)
+        matmuls = m * sum(3 * work[s].weight_grad for s in range(S) if owner[s] == r) / rate
+        k = overlap_pieces(local_tokens(cfg) // dims.tp, dims.tp)
+        rest = {kind: v for kind, v in kinds.items() if kind not in pieces}
+        return seconds_of("tp", r, rest) + max(hidden / k, hidden - matmuls)
+
     def waited_on(r: int) -> float:  # tp's collectives (expert tp's among them), a mixture's all-to-alls and
         # its counts over cp
         cp_kinds = {k: v for k, v in comm[r].get("cp", {}).items() if k != "ring"}
-        return seconds_of("tp", r) + seconds_of("ep", r) + (seconds_of("cp", r, cp_kinds) if cp_kinds else 0.0)
+        return tp_exposed(r) + seconds_of("ep", r) + (seconds_of("cp", r, cp_kinds) if cp_kinds else 0.0)
     tp_share = {r: waited_on(r) / flops_of_rank[r] if flops_of_rank[r] else 0.0 for r in range(dims.pp)}
 
     traffic = [stage_traffic(cfg, n, s == 0, s == S - 1, dims.tp, m) if c.memory_bandwidth else None
@@ -216,6 +233,7 @@ def estimate_step(cfg, dims, comm: Dict[int, Dict[str, Dict[str, Dict[str, float
             "tokens_per_second": tokens / step, "mfu": model_flops / (step * dims.world_size * peak),
             "bubble": {r: sim.idle_share(r) for r in range(dims.pp)},
             "tp_seconds": {r: seconds_of("tp", r) for r in range(dims.pp)},
+            "tp_exposed_seconds": {r: tp_exposed(r) for r in range(dims.pp)},
             "ep_seconds": {r: seconds_of("ep", r) for r in range(dims.pp)},
             "cp_seconds": {r: seconds_of("cp", r) for r in range(dims.pp)},
             "cp_exposed_seconds": {r: m * sum(ring[s]["F"] + ring[s]["B"] for s in range(S) if owner[s] == r)
