@@ -144,6 +144,41 @@ def test_generate_task_scores_with_sacrebleu(run, tmp_path):
     assert got["exact_match"] == np.mean([h == r.strip() for h, r in zip(hyps, refs[0])])
 
 
+TRANSLATIONS = [  # (prompt, the hypothesis the model is made to give, two references): partly right lines
+    ("English: The cat sat on the mat.\nFrench:", "Le chat est assis sur le tapis.",
+     ["Le chat était assis sur le tapis.", "Le chat s'est assis sur le tapis."]),
+    ("English: Save the file.\nFrench:", "Enregistrer le fichier.",
+     ["Enregistrer le fichier.", "Sauvegarder le fichier."]),
+    ("English: The server could not be reached.\nFrench:", "Le serveur n'a pas pu être atteint.",
+     ["Impossible de joindre le serveur.", "Le serveur est injoignable."]),
+    ("English: Delete all selected items?\nFrench:", "Supprimer les éléments choisis ?",
+     ["Supprimer tous les éléments sélectionnés ?", "Effacer tous les éléments sélectionnés ?"]),
+]
+
+
+def test_generate_task_scores_the_corpus_against_every_reference_stream(run, tmp_path, monkeypatch):
+    """BLEU and chrF are sacrebleu's corpus scores over both reference streams, computed on the hypotheses the model
+    gives (fixed here, partly right, so a score that counts only the first reference, or averages sentence scores,
+    comes out different); exact match counts a hypothesis equal to any of its references."""
+    import sacrebleu
+    from megalm.evaluate import evaluate, generation
+    answers = {prompt: hyp for prompt, hyp, _ in TRANSLATIONS}
+    monkeypatch.setattr(generation, "complete", lambda model, tokenizer, prompt, **kw: " " + answers[prompt] + " ")
+    run_dir, _, _ = run
+    pairs = [{"prompt": p, "reference": refs} for p, _, refs in TRANSLATIONS]
+    got = evaluate(run_dir, "generate", _jsonl(tmp_path / "pairs.jsonl", pairs), max_new_tokens=6, stop=["\n"])
+    hyps = [h for _, h, _ in TRANSLATIONS]
+    streams = [[refs[i] for _, _, refs in TRANSLATIONS] for i in range(2)]
+    assert got["examples"] == 4 and got["exact_match"] == 0.25  # the second line equals its first reference
+    assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, streams).score, abs=1e-9)
+    assert got["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, streams).score, abs=1e-9)
+    assert 0 < got["bleu"] < 100 and 0 < got["chrf"] < 100
+    # what a wrong scorer would give instead
+    assert abs(got["bleu"] - sacrebleu.corpus_bleu(hyps, streams[:1]).score) > 1
+    assert abs(got["bleu"] - np.mean([sacrebleu.sentence_bleu(h, refs).score for _, h, refs in TRANSLATIONS])) > 1
+    assert abs(got["chrf"] - sacrebleu.corpus_chrf(hyps, streams[:1]).score) > 1
+
+
 @pytest.mark.parametrize("task, records, kwargs, error, message", [
     ("code", [{"task_id": "a", "prompt": "x"}], {}, DataError, r"probs.jsonl:1: no 'test', 'entry_point' field"),
     ("code", PROBLEMS, dict(samples=2, ks=[3], temperature=0.8), ConfigError,

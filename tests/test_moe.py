@@ -83,14 +83,17 @@ def test_the_layer_is_its_token_by_token_reference(score, capacity_factor):
     assert (dropped > 0) == (capacity_factor is not None)
 
 
-def test_aux_and_z_losses_add_their_gradients_where_the_router_made_them():
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_aux_and_z_losses_add_their_gradients_where_the_router_made_them(scale):
     """The layer's output carries the load-balancing and z losses' gradients (not its value): the
-    router's and the input's gradients are those of output . g + aux + z, both written out here."""
+    router's and the input's gradients are those of output . g + s (aux + z), both written out here, with s the
+    step's gradient scale (the trainer's 1 / micro-batches: 0.25 for four; a scale left at 1 fails that case)."""
     cfg = _cfg()
     layer = _layer(cfg).train()
     x = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(2), requires_grad=True)
     g = torch.randn(2, 8, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
-    (layer(x) * g).sum().backward()
+    with routing_step(scale):
+        (layer(x) * g).sum().backward()
     got = layer.router.weight.grad.clone(), x.grad.clone()
     layer.zero_grad()
     x.grad = None
@@ -101,7 +104,7 @@ def test_aux_and_z_losses_add_their_gradients_where_the_router_made_them():
     counts = torch.bincount(logits.topk(2, -1).indices.reshape(-1), minlength=4).float()
     aux = 1e-2 * 4 * (probs.mean(0) * counts / (16 * 2)).sum()  # Switch Transformer's, Megatron's coefficients
     z = 1e-3 * torch.logsumexp(logits, -1).square().mean()
-    ((layer(x) * g).sum() + aux + z).backward()
+    ((layer(x) * g).sum() + scale * (aux + z)).backward()
     torch.testing.assert_close(got[0], layer.router.weight.grad, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(got[1], x.grad, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(got[0], layer.router.weight.grad * 0)

@@ -118,6 +118,33 @@ def test_openai_client_completions_chat_and_streams(server, alone):
     assert seeded[0] == seeded[1]
 
 
+def _sampled_alone(run_dir, prompt, **sampling):
+    """The text megalm's own KV-cache generation samples for `prompt` with these settings (top_k off, as the
+    OpenAI API has none), from the generator seeded as the server seeds a request's."""
+    from megalm.generate import generate_ids, load_for_generation
+    _, model, tok, _ = load_for_generation(run_dir)
+    context = [tok.eod] + tok.encode(prompt)
+    ids = list(generate_ids(model, context, max_new_tokens=16, top_k=0, vocab_size=tok.vocab_size, eod=tok.eod,
+                            **sampling))
+    return tok.decode(context + ids)[len(tok.decode(context)):]
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.7, top_p=0.6, seed=11),
+                                      dict(temperature=1.6, top_p=1.0, seed=3)], ids=["top_p", "temperature"])
+def test_a_seeded_sampled_completion_is_what_generation_samples_with_its_settings(server, run, sampling):
+    """A request's temperature, top_p and seed reach the sampler: the openai client's completion equals megalm's
+    generation of the prompt alone with the same settings and seed, and differs from what it samples with the
+    setting changed (so a server that dropped the setting would fail here)."""
+    import openai
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    prompt = "def f(x):"
+    got = client.completions.create(model=model, prompt=prompt, max_tokens=16, **sampling).choices[0].text
+    assert got == _sampled_alone(run[0], prompt, **sampling)
+    changed = dict(sampling, top_p=1.0) if sampling["top_p"] < 1 else dict(sampling, temperature=0.7)
+    assert got != _sampled_alone(run[0], prompt, **changed)
+
+
 def test_a_stream_sends_a_character_only_once_its_bytes_are_complete():
     """Byte pieces of one character decode to U+FFFD until its last byte comes: held back, never sent and
     then contradicted (which used to stop the stream's text there)."""
