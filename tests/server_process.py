@@ -5,6 +5,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,14 +19,19 @@ def _port() -> int:
 
 
 def start_server(run_dir: Path, *extra: str):
+    """The server's output (its log: a line a request) goes to a file, `proc.log_path`: a pipe nobody reads would
+    fill and block the server."""
     port = _port()
+    log = tempfile.NamedTemporaryFile("w", prefix="megalm-serve-", suffix=".log", delete=False)
     proc = subprocess.Popen([sys.executable, "-m", "megalm.serve", str(run_dir), "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log, stderr=subprocess.STDOUT, text=True)
+    log.close()
+    proc.log_path = Path(log.name)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: {proc.stdout.read()}")
+            raise RuntimeError(f"the server exited: {proc.log_path.read_text()}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                 return proc, url
@@ -42,3 +48,4 @@ def stop_server(proc) -> int:
     finally:
         if proc.poll() is None:
             proc.kill()
+        proc.log_path.unlink(missing_ok=True)

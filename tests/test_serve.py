@@ -26,10 +26,15 @@ PROMPTS = ["import os\n", "def f(x):", "class A:\n    def", "for i in range(3):"
 
 
 @pytest.fixture(scope="module")
-def server(run):
+def served(run):
     proc, url = start_server(run[0])
-    yield url
+    yield proc, url
     assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[1]
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +150,85 @@ def test_a_seeded_sampled_completion_is_what_generation_samples_with_its_setting
     assert got != _sampled_alone(run[0], prompt, **changed)
 
 
+def _greedy_adjusted(run_dir, context, steps, presence=0.0, frequency=0.0, bias=None):
+    """Greedy decoding written out over the model's whole-sequence forward (no KV cache, no engine): each step's
+    logits less presence x (generated before) and frequency x (times generated), plus the bias; the ids chosen."""
+    import torch
+    from megalm.generate import load_for_generation
+    _, model, tok, _ = load_for_generation(run_dir)
+    ids = list(context)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(torch.tensor([ids]))[0, -1, :tok.vocab_size].float()
+            made = ids[len(context):]
+            for t in set(made):
+                logits[t] -= presence + frequency * made.count(t)
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            nxt = int(logits.argmax())
+            if nxt == tok.eod:
+                break
+            ids.append(nxt)
+    return ids[len(context):]
+
+
+def test_what_openai_clients_send_is_taken_and_honoured(served, run):
+    """Fields the openai client sends by default or commonly: token-id prompts (one list, or a batch) read as given;
+    presence and frequency penalties and logit_bias applied before the draw (greedy here, against the same
+    adjustments written out over the model's forward); best_of's pick of the candidates by log-probability a token;
+    stream_options.include_usage's last chunk; and the server's log line for each request."""
+    import openai
+    from megalm.generate import load_for_generation
+    proc, url = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    _, _, tok, _ = load_for_generation(run[0])
+    prompt = "def f(x):"
+    context = [tok.eod] + tok.encode(prompt)
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0)
+    # token ids as given: the server's own reading of the text (end-of-document first) gives the same completion
+    by_ids = client.completions.create(model=model, prompt=context, max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == plain.choices[0].text
+    batch = client.completions.create(model=model, prompt=[context, tok.encode(prompt)], max_tokens=10, temperature=0)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == plain.choices[0].text
+    assert batch.usage.prompt_tokens == 2 * len(context) - 1
+    # penalties and bias, greedy, against the written-out decoding; zeros change nothing
+    zeros = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, presence_penalty=0.0,
+                                      frequency_penalty=0.0, logit_bias={})
+    assert zeros.choices[0].text == plain.choices[0].text
+    first = _greedy_adjusted(run[0], context, 1)[0]
+    for kw, ref in ((dict(presence_penalty=1.5, frequency_penalty=0.5), dict(presence=1.5, frequency=0.5)),
+                    (dict(logit_bias={str(first): -100}), dict(bias={first: -100.0})),
+                    (dict(logit_bias={"42": 100}), dict(bias={42: 100.0}))):
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, **kw)
+        want = _greedy_adjusted(run[0], context, 10, **ref)
+        assert got.choices[0].text == tok.decode(context + want)[len(tok.decode(context)):], kw
+    assert tok.decode([42] * 10) == client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0,
+                                                              logit_bias={"42": 100}).choices[0].text
+    # best_of: the candidate with the highest log-probability a token among seeds 5, 6, 7 (seed + j)
+    best = client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=5, best_of=3)
+    candidates = [client.completions.create(model=model, prompt=prompt, max_tokens=8, temperature=1.0, seed=5 + j,
+                                            logprobs=0).choices[0] for j in range(3)]
+    mean = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in candidates]
+    assert len(set(c.text for c in candidates)) > 1
+    assert best.choices[0].text == candidates[mean.index(max(mean))].text and len(best.choices) == 1
+    # include_usage: the last chunk, no choices, the request's usage
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == plain.choices[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.model_dump() == plain.usage.model_dump()
+    chat = list(client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=6, temperature=0, stream=True,
+                                               stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens >= 1
+    # the access log: one line a request with its tokens
+    lines = proc.log_path.read_text().splitlines()
+    usage = plain.usage
+    assert any(f"POST /v1/completions 200 prompt_tokens={usage.prompt_tokens} "
+               f"completion_tokens={usage.completion_tokens} " in line for line in lines)
+    assert any("GET /v1/models 200" in line for line in lines)
+
+
 def test_a_stream_sends_a_character_only_once_its_bytes_are_complete():
     """Byte pieces of one character decode to U+FFFD until its last byte comes: held back, never sent and
     then contradicted (which used to stop the stream's text there)."""
@@ -164,7 +248,14 @@ def test_a_stream_sends_a_character_only_once_its_bytes_are_complete():
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),
     ("post", "/v1/completions", {"prompt": "x", "temperature": 3}, 400, "temperature"),
     ("post", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
-    ("post", "/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("post", "/v1/completions", {"prompt": "x", "frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("post", "/v1/completions", {"prompt": "x", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ("post", "/v1/completions", {"prompt": "x", "logit_bias": {"10": 101}}, 400, "logit_bias"),
+    ("post", "/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, 400, "best_of"),
+    ("post", "/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, 400, "best_of"),
+    ("post", "/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("post", "/v1/completions", {"prompt": [1, 10 ** 6]}, 400, "prompt"),
+    ("post", "/v1/completions", {"prompt": [[]]}, 400, "prompt"),
     ("post", "/v1/completions", {"prompt": "x", "max_tokens": 40}, 400, "max_tokens"),
     ("post", "/v1/completions", {"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ("post", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]}, 400, "messages.0.role"),
@@ -173,14 +264,20 @@ def test_a_stream_sends_a_character_only_once_its_bytes_are_complete():
     ("put", "/api", {"prompts": ["x"], "temperature": 0}, 400, "temperature"),
     ("put", "/api", {"prompts": [""], "tokens_to_generate": 2}, 400, "prompts"),
     ("put", "/api", {"prompts": ["x"], "beam_width": 2}, 400, "beam_width"),
+    ("post", "/v1/embeddings", {"input": "x"}, 404, None),
+    ("get", "/v1/completions", None, 405, None),
 ])
 def test_bad_requests_name_the_field_and_the_server_goes_on(server, method, path, body, status, param):
-    kw = {"content": body} if isinstance(body, str) else {"json": body}
+    """Every error in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: a bad field names it; an unknown
+    path (404) or a method the path does not take (405) says so and lists the endpoints."""
+    kw = {"content": body} if isinstance(body, str) else {"json": body} if body is not None else {}
     r = httpx.request(method.upper(), f"{server}{path}", headers={"Content-Type": "application/json"}, timeout=60,
                       **kw)
     assert r.status_code == status, r.text
     error = r.json()["error"]
-    assert error["param"] == param and error["message"]
+    assert error["param"] == param and error["message"] and set(error) == {"message", "type", "param", "code"}
+    if status in (404, 405):
+        assert path in error["message"] and "POST /v1/completions" in error["message"]
     assert httpx.get(f"{server}/health", timeout=10).json()["status"] == "ok"
 
 

@@ -7,16 +7,20 @@
   `text` (each prompt followed by its generation), `segments` (their tokens as text) and, with
   logprobs, `logprobs` (of every token after the first). tokens_to_generate=0 scores the prompts.
 - `POST /v1/completions` and `POST /v1/chat/completions`: OpenAI's (prompt or messages, max_tokens,
-  temperature, top_p, n, stream, stop, logprobs, echo, seed, user); `stream: true` sends
-  server-sent events. Every prompt is read as a document, after the end-of-document token, as
-  training saw it; chat messages are written with the run's data.chat_template and the reply is
-  generated after the assistant's part of it.
+  temperature, top_p, n, stream, stream_options.include_usage, stop, logprobs, echo, seed, user,
+  presence_penalty, frequency_penalty, logit_bias; completions also best_of); `stream: true` sends
+  server-sent events, with include_usage a last chunk holding the usage. A text prompt is read as a
+  document, after the end-of-document token, as training saw it; token-id prompts (a list of ids, or
+  a list of such lists) as given; chat messages are written with the run's data.chat_template and the
+  reply is generated after the assistant's part of it.
 - `GET /v1/models`, `GET /health` (the engine's load), and `GET /`: a playground page (a prompt,
   sampling settings, the completion streamed in as it comes).
 
 A request that is not valid JSON, has a field of the wrong type or out of range, a field the
 endpoint does not take, or a prompt that leaves no room for the tokens asked is answered 400 with
-{"error": {"message", "type", "param"}} naming the field; a full queue is 503. The server goes on.
+{"error": {"message", "type", "param"}} naming the field; a full queue is 503; an unknown path 404 and
+a method a path does not take 405, in the same shape. The server goes on, and logs one line a request
+(method, path, status, prompt and completion tokens, seconds).
 
 An encoder-decoder model (Seq2SeqEngine) reads each prompt as its source, without the
 end-of-document token; its completions and Megatron `text` are the output alone. It takes no chat,
@@ -26,12 +30,12 @@ echo, add_BOS or tokens_to_generate=0 (400, naming the field).
 from __future__ import annotations
 
 import asyncio
-import json
+import logging
 from importlib import resources
 import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, List, Literal, Optional, Union
+from typing import Any, AsyncIterator, Dict, List, Optional
 
 from megalm.data.tasks.sft import template_parts
 from megalm.errors import ConfigError
@@ -41,85 +45,20 @@ try:
     from fastapi import FastAPI, Request as HTTPRequest
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, StreamingResponse
-    from pydantic import BaseModel, ConfigDict, Field, field_validator
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 except ImportError as e:  # the optional extra
     raise ConfigError(f"megalm.serve needs FastAPI and uvicorn ({e}): pip install 'megalm[serve]'") from None
 
+from megalm.serve.schemas import (BadRequest, ChatRequest, CompletionRequest, MegatronRequest, Message,
+                                  _check_stream_options, _delta, _sse, _stops, _usage)
 
-class BadRequest(Exception):
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
+
+log = logging.getLogger("megalm.serve")
+ENDPOINTS = "PUT /api, POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /"
 
 
 def _error(message: str, param: Optional[str], status: int, kind: str = "invalid_request_error") -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
-
-
-class _Strict(BaseModel):
-    """Fields of the declared types only (no coercion of "4" to 4) and no fields beyond them."""
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    @field_validator("temperature", "top_p", mode="before", check_fields=False)
-    @classmethod
-    def _number(cls, v):
-        """JSON has one number type: 1 is as good a temperature as 1.0."""
-        return float(v) if isinstance(v, int) and not isinstance(v, bool) else v
-
-
-class MegatronRequest(_Strict):
-    prompts: List[str] = Field(min_length=1)
-    tokens_to_generate: int = Field(64, ge=0)
-    temperature: float = Field(1.0, gt=0.0, le=100.0)
-    top_k: int = Field(0, ge=0)
-    top_p: float = Field(0.0, ge=0.0, le=1.0)
-    logprobs: bool = False
-    add_BOS: bool = False
-    stop_on_eol: bool = False
-    stop_on_double_eol: bool = False
-    random_seed: int = -1
-
-
-class CompletionRequest(_Strict):
-    model: Optional[str] = None
-    prompt: Union[str, List[str]]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stop: Optional[Union[str, List[str]]] = None
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
-    echo: bool = False
-    seed: Optional[int] = None
-    user: Optional[str] = None
-
-
-class Message(_Strict):
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
-class ChatRequest(_Strict):
-    model: Optional[str] = None
-    messages: List[Message] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
-    stop: Optional[Union[str, List[str]]] = None
-    logprobs: bool = False
-    seed: Optional[int] = None
-    user: Optional[str] = None
-
-
-def _stops(stop: Optional[Union[str, List[str]]]) -> List[str]:
-    stops = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stops) > 4 or any(not s for s in stops):
-        raise BadRequest(f"stop: at most 4 non-empty strings (got {stops!r})", "stop")
-    return stops
 
 
 class Server:
@@ -242,52 +181,98 @@ class Server:
         return out
 
     # -- OpenAI ------------------------------------------------------------------------------------
-    def _sampling(self, max_tokens: int, temperature: float, top_p: float, stop: List[str], seed: Optional[int],
-                  j: int, prompt_logprobs: bool = False, top_logprobs: int = 0) -> Sampling:
-        return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=top_p, stop=stop,
-                        seed=None if seed is None else seed + j, prompt_logprobs=prompt_logprobs,
-                        top_logprobs=top_logprobs)
+    def _sampling(self, body, max_tokens: int, stop: List[str], j: int, prompt_logprobs: bool = False,
+                  top_logprobs: int = 0) -> Sampling:
+        """An OpenAI request's sampling for its j-th completion of a prompt (seed + j)."""
+        return Sampling(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, stop=stop,
+                        seed=None if body.seed is None else body.seed + j, prompt_logprobs=prompt_logprobs,
+                        top_logprobs=top_logprobs, presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty, logit_bias=self._logit_bias(body.logit_bias))
 
-    async def completions(self, body: CompletionRequest):
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
-        if not prompts:
-            raise BadRequest("prompt: give a string or a non-empty list of strings", "prompt")
+    def _logit_bias(self, bias: Optional[Dict[str, float]]):
+        out = []
+        for key, value in (bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < self.tok.vocab_size:
+                raise BadRequest(f"logit_bias: the key {key!r} is not a token id in [0, {self.tok.vocab_size})",
+                                 "logit_bias")
+            if not -100 <= value <= 100:
+                raise BadRequest(f"logit_bias[{key!r}]={value} must be in [-100, 100]", "logit_bias")
+            out.append((int(key), float(value)))
+        return tuple(out)
+
+    def _prompts(self, prompt) -> List[tuple]:
+        """(text, ids, starts with the end-of-document token) of each prompt: a text is encoded as a document, token ids
+        are taken as given (each in the tokenizer's vocabulary)."""
+        if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
+            prompt = [prompt]
+        if not prompt:
+            raise BadRequest("prompt: give a string, token ids, or a non-empty list of either", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                out.append((p, self._prompt_ids(p, "prompt"), not self.seq2seq))
+                continue
+            if not p or not all(0 <= t < self.tok.vocab_size for t in p):
+                raise BadRequest(f"prompt: token ids must be a non-empty list of ids in [0, {self.tok.vocab_size}) "
+                                 f"(got {p[:8]!r}{'...' if len(p) > 8 else ''})", "prompt")
+            out.append((self.tok.decode(p), list(p), False))
+        return out
+
+    async def completions(self, body: CompletionRequest, usage: Optional[Dict[str, int]] = None):
+        prompts = self._prompts(body.prompt)
         stops = _stops(body.stop)
         if body.echo:
             self._refuse_for_seq2seq("echo puts the prompt before the completion", "echo")
-        encoded = [self._prompt_ids(p, "prompt") for p in prompts]
-        for ids in encoded:
+        best = body.best_of if body.best_of is not None else body.n
+        if best < body.n:
+            raise BadRequest(f"best_of={best} must be at least n={body.n}", "best_of")
+        if best > body.n and body.stream:
+            raise BadRequest("best_of > n cannot stream: the best are known only at the end", "best_of")
+        _check_stream_options(body)
+        for _, ids, _ in prompts:
             self._check_room(ids, body.max_tokens, "max_tokens")
-        jobs = [(i * body.n + j, p, ids) for i, (p, ids) in enumerate(zip(prompts, encoded)) for j in range(body.n)]
-        started = self._start_all((ids, self._sampling(body.max_tokens, body.temperature, body.top_p, stops, body.seed,
-                                                       index % body.n, body.echo and body.logprobs is not None,
-                                                       body.logprobs or 0))
-                                  for index, _, ids in jobs)
+        jobs = [(i, j, text, ids, eod) for i, (text, ids, eod) in enumerate(prompts) for j in range(best)]
+        started = self._start_all((ids, self._sampling(body, body.max_tokens, stops, j,
+                                                       body.echo and body.logprobs is not None, body.logprobs or 0))
+                                  for _, j, _, ids, _ in jobs)
         cid, model = f"cmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
+        prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
+        if usage is not None:
+            usage["prompt_tokens"] = prompt_tokens * best
         if body.stream:
-            return StreamingResponse(self._stream_completions(cid, model, jobs, started, body.echo),
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream_completions(cid, model, [(i * body.n + j, text) for i, j, text, _, _
+                                                                           in jobs], started, body.echo,
+                                                              prompt_tokens * best if include else None, usage),
                                      media_type="text/event-stream")
-        choices, completion_tokens = [], 0
         reasons = await self._finish_all(started)
-        for (index, text, ids), (req, _), reason in zip(jobs, started, reasons):
-            completion_tokens += len(req.tokens)
-            choice = {"text": (text if body.echo else "") + req.text, "index": index, "logprobs": None,
-                      "finish_reason": reason}
-            if body.logprobs is not None:
-                choice["logprobs"] = self._openai_logprobs(req, text if body.echo else None)
-            choices.append(choice)
-        prompt_tokens = sum(len(ids) for ids in encoded)
+        choices, completion_tokens = [], sum(len(req.tokens) for req, _ in started)
+        for i in range(len(prompts)):  # each prompt's n best of its candidates, by log-probability a token
+            mine = [k for k, job in enumerate(jobs) if job[0] == i]
+            mine.sort(key=lambda k: -sum(started[k][0].logprobs) / max(1, len(started[k][0].logprobs))
+                      if best > body.n else 0)
+            for rank, k in enumerate(mine[:body.n]):
+                (_, _, text, _, eod), (req, _) = jobs[k], started[k]
+                choice = {"text": (text if body.echo else "") + req.text, "index": i * body.n + rank, "logprobs": None,
+                          "finish_reason": reasons[k]}
+                if body.logprobs is not None:
+                    choice["logprobs"] = self._openai_logprobs(req, text if body.echo else None, eod)
+                choices.append(choice)
+        counts = _usage(prompt_tokens * best, completion_tokens)
+        if usage is not None:
+            usage.update(counts)
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                                              "total_tokens": prompt_tokens + completion_tokens}}
+                "choices": choices, "usage": counts}
 
-    def _openai_logprobs(self, req: Request, echoed: Optional[str]) -> Dict[str, Any]:
+    def _openai_logprobs(self, req: Request, echoed: Optional[str], eod: bool = True) -> Dict[str, Any]:
         """The legacy completions logprobs object: each token, its log-probability, its offset in the text, and
         (logprobs=n > 0) each generated token's step's n most likely tokens, {text: log-probability} (an echoed
         prompt's tokens get None there: the server does not rank what it did not sample)."""
-        tokens = ([self.tok.decode([t]) for t in req.prompt[1:]] if echoed is not None else []) + \
-            [self.tok.decode([t]) for t in req.tokens]
-        values = (list(req.prompt_logprobs) if echoed is not None else []) + list(req.logprobs)
+        # an echoed prompt: its tokens after the end-of-document token the server put first, or all of given ids
+        # (the first of them has no log-probability: None, as OpenAI's)
+        shown = (req.prompt[1:] if eod else req.prompt) if echoed is not None else []
+        tokens = [self.tok.decode([t]) for t in shown] + [self.tok.decode([t]) for t in req.tokens]
+        values = (([] if eod else [None]) + list(req.prompt_logprobs) if echoed is not None else []) + list(req.logprobs)
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
@@ -295,12 +280,13 @@ class Server:
         top = None
         if req.sampling.top_logprobs:
             ranked = [{self.tok.decode([t]): lp for t, lp in step} for step in req.top_logprobs]
-            top = ([None] * (len(req.prompt) - 1) if echoed is not None else []) + ranked
+            top = [None] * len(shown) + ranked
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
-    async def _stream_completions(self, cid, model, jobs, started, echo: bool) -> AsyncIterator[str]:
+    async def _stream_completions(self, cid, model, jobs, started, echo: bool, prompt_tokens: Optional[int],
+                                  usage: Optional[Dict[str, int]]) -> AsyncIterator[str]:
         try:
-            for (index, text, _), (req, events) in zip(jobs, started):
+            for (index, text), (req, events) in zip(jobs, started):
                 sent = ""
                 if echo:
                     yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
@@ -319,6 +305,12 @@ class Server:
                                     "choices": [{"text": rest, "index": index, "logprobs": None,
                                                  "finish_reason": str(value) if kind == "done" else "error"}]})
                         break
+            completion = sum(len(req.tokens) for req, _ in started)
+            if usage is not None:
+                usage["completion_tokens"] = completion
+            if prompt_tokens is not None:  # stream_options.include_usage
+                yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
+                            "choices": [], "usage": _usage(prompt_tokens, completion)})
             yield "data: [DONE]\n\n"
         finally:
             for req, _ in started:
@@ -332,8 +324,9 @@ class Server:
         before, _ = template_parts(self.chat_template, "assistant")
         return [self.tok.eod] + self.tok.encode(text + before)
 
-    async def chat(self, body: ChatRequest):
+    async def chat(self, body: ChatRequest, usage: Optional[Dict[str, int]] = None):
         self._refuse_for_seq2seq("chat continues a conversation written with the run's chat template", "messages")
+        _check_stream_options(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
         prompt = self._chat_prompt(body.messages)
@@ -344,11 +337,15 @@ class Server:
         _, after = template_parts(self.chat_template, "assistant")
         user_before, _ = template_parts(self.chat_template, "user")
         stops = _stops(body.stop) + [after + user_before]  # the next turn's opening ends the reply
-        started = self._start_all((prompt, self._sampling(max_tokens, body.temperature, body.top_p, stops, body.seed, j))
-                                  for j in range(body.n))
+        started = self._start_all((prompt, self._sampling(body, max_tokens, stops, j)) for j in range(body.n))
         cid, model = f"chatcmpl-{uuid.uuid4().hex[:24]}", body.model or self.model_name
+        if usage is not None:
+            usage["prompt_tokens"] = len(prompt) * body.n
         if body.stream:
-            return StreamingResponse(self._stream_chat(cid, model, started, after), media_type="text/event-stream")
+            include = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream_chat(cid, model, started, after,
+                                                       len(prompt) * body.n if include else None, usage),
+                                     media_type="text/event-stream")
         choices, completion_tokens = [], 0
         reasons = await self._finish_all(started)
         for j, ((req, _), reason) in enumerate(zip(started, reasons)):
@@ -360,12 +357,13 @@ class Server:
                 choice["logprobs"] = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None,
                                                    "top_logprobs": []} for t, lp in zip(req.tokens, req.logprobs)]}
             choices.append(choice)
+        if usage is not None:
+            usage["completion_tokens"] = completion_tokens
         return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-                "choices": choices, "usage": {"prompt_tokens": len(prompt) * body.n,
-                                              "completion_tokens": completion_tokens,
-                                              "total_tokens": len(prompt) * body.n + completion_tokens}}
+                "choices": choices, "usage": _usage(len(prompt) * body.n, completion_tokens)}
 
-    async def _stream_chat(self, cid, model, started, after: str) -> AsyncIterator[str]:
+    async def _stream_chat(self, cid, model, started, after: str, prompt_tokens: Optional[int],
+                           usage: Optional[Dict[str, int]]) -> AsyncIterator[str]:
         def chunk(j, delta, reason=None):
             return _sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
                          "choices": [{"index": j, "delta": delta, "logprobs": None, "finish_reason": reason}]})
@@ -386,6 +384,12 @@ class Server:
                         rest = final[len(sent):] if final.startswith(sent) else ""
                         yield chunk(j, {"content": rest} if rest else {}, str(value) if kind == "done" else "error")
                         break
+            completion = sum(len(req.tokens) for req, _ in started)
+            if usage is not None:
+                usage["completion_tokens"] = completion
+            if prompt_tokens is not None:  # stream_options.include_usage
+                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
+                            "choices": [], "usage": _usage(prompt_tokens, completion)})
             yield "data: [DONE]\n\n"
         finally:
             for req, _ in started:
@@ -399,16 +403,37 @@ class Server:
 _TYPE_TAG = re.compile(r"(str|int|float|bool|none|[a-z]+\[.*\]|function-[a-z]+\[.*\])")
 
 
-def _delta(so_far: str, sent: str) -> str:
-    """What of a reply decoded so far can be streamed after `sent` without ever changing: all but a trailing run of
-    U+FFFD, which is how the byte pieces of a character not yet complete decode (it becomes the character once its
-    last byte comes); "" while nothing new is settled."""
-    settled = so_far.rstrip("\ufffd")
-    return settled[len(sent):] if settled.startswith(sent) else ""
+class _AccessLog:
+    """ASGI middleware: one log line a request once its answer's last byte is sent (a stream's at its end, or when the
+    client leaves): method, path, status, the prompt and completion tokens the endpoint put in request.state.usage,
+    seconds."""
 
+    def __init__(self, app):
+        self.app = app
 
-def _sse(payload: Dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, usage, status, done = time.perf_counter(), {}, [0], [False]
+        scope.setdefault("state", {})["usage"] = usage
+
+        def line():
+            if not done[0]:
+                done[0] = True
+                log.info("%s %s %d prompt_tokens=%s completion_tokens=%s %.3fs", scope["method"], scope["path"],
+                         status[0], usage.get("prompt_tokens", "-"), usage.get("completion_tokens", "-"),
+                         time.perf_counter() - start)
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                line()
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            line()
 
 
 def create_app(server: Server) -> FastAPI:
@@ -431,17 +456,25 @@ def create_app(server: Server) -> FastAPI:
         kind = {503: "server_busy", 500: "server_error"}.get(exc.status, "invalid_request_error")
         return _error(exc.message, exc.param, exc.status, kind)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: HTTPRequest, exc: StarletteHTTPException):  # 404, 405: the shape of every other error
+        what = {404: f"no endpoint {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(f"{what.get(exc.status_code, exc.detail)} (endpoints: {ENDPOINTS})", None, exc.status_code, kind)
+
+    app.add_middleware(_AccessLog)
+
     @app.put("/api")
     async def megatron(body: MegatronRequest):
         return await server.megatron(body)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await server.completions(body)
+    async def completions(body: CompletionRequest, request: HTTPRequest):
+        return await server.completions(body, request.state.usage)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest):
-        return await server.chat(body)
+    async def chat(body: ChatRequest, request: HTTPRequest):
+        return await server.chat(body, request.state.usage)
 
     @app.get("/v1/models")
     async def models():

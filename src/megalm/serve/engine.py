@@ -62,6 +62,26 @@ class Sampling:
     """Also report the log-probability of each prompt token after the first (echo / Megatron's logprobs)."""
     top_logprobs: int = 0
     """Also report, for each generated token, the n most likely tokens of its step and their log-probabilities."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token this request has generated (OpenAI's, as vLLM applies it)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once for every time this request has generated it."""
+    logit_bias: Tuple[Tuple[int, float], ...] = ()
+    """(token id, bias) added to those logits before every draw."""
+
+
+def _adjusted(logits: torch.Tensor, r: "Request") -> torch.Tensor:
+    """(1, V) logits to draw r's next token from: the model's, less the presence and frequency penalties of the tokens
+    r generated, plus its logit bias."""
+    sp = r.sampling
+    out = logits.float()[None]
+    if sp.logit_bias:
+        ids, bias = zip(*sp.logit_bias)
+        out = out.index_add(1, torch.tensor(ids, device=out.device), torch.tensor([bias], device=out.device))
+    if r.tokens and (sp.presence_penalty or sp.frequency_penalty):
+        counts = torch.bincount(torch.tensor(r.tokens, device=out.device), minlength=out.shape[-1])[None].float()
+        out = out - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+    return out
 
 
 @dataclass
@@ -318,8 +338,8 @@ class Engine:
         sp = r.sampling
         allowed = logits if self.tokens >= len(logits) else logits.clone().index_fill_(
             0, torch.arange(self.tokens, len(logits), device=logits.device), float("-inf"))
-        token = int(sample_next(allowed[None], sp.temperature, sp.top_k, sp.top_p, r.generator)[0])
-        logp = torch.log_softmax(logits, dim=-1)
+        token = int(sample_next(_adjusted(allowed, r), sp.temperature, sp.top_k, sp.top_p, r.generator)[0])
+        logp = torch.log_softmax(logits, dim=-1)  # the model's own, as OpenAI reports them
         logprob = float(logp[token])
         if sp.stop_at_eod and token == self.stop_token:
             return self._finish(r, "stop")
