@@ -192,6 +192,12 @@ def test_what_openai_clients_send_is_taken_and_honoured(served, run):
     batch = client.completions.create(model=model, prompt=[context, tok.encode(prompt)], max_tokens=10, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == plain.choices[0].text
     assert batch.usage.prompt_tokens == 2 * len(context) - 1
+    ids = tok.encode(prompt)  # echoed: given ids have no end-of-document token before them, so the first has no
+    echoed = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, echo=True,  # logprob
+                                       logprobs=0).choices[0]
+    assert echoed.text.startswith(tok.decode(ids)) and echoed.logprobs.token_logprobs[0] is None
+    assert len(echoed.logprobs.tokens) == len(echoed.logprobs.token_logprobs) == len(ids) + 4
+    assert all(isinstance(v, float) for v in echoed.logprobs.token_logprobs[1:])
     # penalties and bias, greedy, against the written-out decoding; zeros change nothing
     zeros = client.completions.create(model=model, prompt=prompt, max_tokens=10, temperature=0, presence_penalty=0.0,
                                       frequency_penalty=0.0, logit_bias={})

@@ -272,7 +272,8 @@ class Server:
         # (the first of them has no log-probability: None, as OpenAI's)
         shown = (req.prompt[1:] if eod else req.prompt) if echoed is not None else []
         tokens = [self.tok.decode([t]) for t in shown] + [self.tok.decode([t]) for t in req.tokens]
-        values = (([] if eod else [None]) + list(req.prompt_logprobs) if echoed is not None else []) + list(req.logprobs)
+        shown_values = ([] if eod else [None]) + list(req.prompt_logprobs) if echoed is not None else []
+        values = shown_values + list(req.logprobs)
         offsets, at = [], 0
         for t in tokens:
             offsets.append(at)
