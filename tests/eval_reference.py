@@ -1,5 +1,5 @@
 """What the evaluation tests score, and the independent reference they score it against: a text
-(TEXT), multiple-choice examples (CHOICES), and transformers' log-probabilities of a continuation
+(TEXT), multiple-choice examples (CHOICES, and TRAILING with whitespace at the contexts' end), and transformers' log-probabilities of a continuation
 (hf_logprobs) on the run's exported weights."""
 
 import torch
@@ -10,6 +10,11 @@ TEXT = ("Return the number of items in a container. The argument may be a sequen
 CHOICES = [{"context": "import os\nimport", "choices": [" sys", " zzz qq", " re"], "label": 0},
            {"context": "def f(self):\n    return", "choices": [" self", " 12345 67"], "label": 0},
            {"context": "The quick brown", "choices": [" fox", " elephant walking slowly"], "label": 1}]
+# Contexts that end in whitespace, choices that start without it: the harness moves the whitespace into the
+# continuation ("import" + " sys", not "import " + "sys"), which tokenizes differently.
+TRAILING = [{"context": "import os\nimport ", "choices": ["sys", "zzz qq", "re"], "label": 0},
+            {"context": "def f(self):\n    return ", "choices": ["self", "12345 67"], "label": 0},
+            {"context": "for i in range(3):\n    ", "choices": ["print(i)", "return", "pass"], "label": 0}]
 
 
 def hf_logprobs(hf, context, targets):

@@ -8,7 +8,7 @@ import json
 import pytest
 from lm_eval.api.instance import Instance
 
-from eval_reference import CHOICES, TEXT, hf_logprobs
+from eval_reference import CHOICES, TEXT, TRAILING, hf_logprobs
 
 
 @pytest.fixture(autouse=True)
@@ -62,13 +62,28 @@ def test_generate_until_stops_at_the_stop_strings(run):
     assert cut == free[:free.index(stop)]
 
 
+def test_megalm_choice_scores_the_rows_the_harness_model_scores(run, tmp_path):
+    """`megalm.evaluate choice` splits each (context, choice) as the harness model does, a context's trailing
+    whitespace moved into the continuation, so both score the same tokens on any data."""
+    from megalm.evaluate.harness import MegalmLM
+    from megalm.evaluate.likelihood import choice_rows
+    run_dir, _, tok = run
+    lm = MegalmLM(str(run_dir), batch_size=2)
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(c) + "\n" for c in CHOICES + TRAILING))
+    rows, _ = choice_rows(tok, data, lm.seq_length)
+    assert rows == [lm._row(rec["context"], c) for rec in CHOICES + TRAILING for c in rec["choices"]]
+    ids, start = rows[len([c for rec in CHOICES for c in rec["choices"]])]  # "import os\nimport " + "sys"
+    assert ids[:start] == [tok.eod] + tok.encode("import os\nimport") and ids[start:] == tok.encode(" sys")
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_local_harness_task_runs_offline_and_agrees_with_megalm_choice(run, tmp_path, tp):
     from megalm.evaluate import evaluate
     from megalm.evaluate.harness import run_harness
     run_dir, _, _ = run
     data = tmp_path / "mc.jsonl"
-    data.write_text("".join(json.dumps(c) + "\n" for c in CHOICES * 3))
+    data.write_text("".join(json.dumps(c) + "\n" for c in CHOICES * 3 + TRAILING * 2))
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "local_mc.yaml").write_text(

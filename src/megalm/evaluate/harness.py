@@ -26,7 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from megalm.errors import ConfigError, cli_errors, did_you_mean
 from megalm.evaluate.generation import complete
 from megalm.evaluate.layout import check_layout, is_rank0, load_at_layout, on_ranks
-from megalm.evaluate.likelihood import Scorer, windows
+from megalm.evaluate.likelihood import Scorer, split_context, windows
 from megalm.generate import load_for_generation
 from megalm.models.registry import family_of
 
@@ -72,8 +72,7 @@ class MegalmLM(LM):
                              int(batch_size))
 
     def _row(self, context: str, continuation: str) -> Tuple[List[int], int]:
-        stripped = context.rstrip()
-        continuation, context = context[len(stripped):] + continuation, stripped
+        context, continuation = split_context(context, continuation)
         ctx = [self.tokenizer.eod] + self.tokenizer.encode(context)
         cont = self.tokenizer.encode(continuation)
         if not cont:

@@ -130,9 +130,16 @@ def cloze(scorer: Scorer, tokenizer, path: Path, strict: bool = True) -> Dict[st
 Rows = List[Tuple[List[int], int]]
 
 
+def split_context(context: str, continuation: str) -> Tuple[str, str]:
+    """(context, continuation) with the context's trailing whitespace moved to the front of the continuation, as
+    lm-evaluation-harness's own models split them: a tokenizer reads a space as the start of the word after it."""
+    stripped = context.rstrip()
+    return stripped, context[len(stripped):] + continuation
+
+
 def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tuple[List[str], int]]]:
-    """Scoring rows of every choice of every line ([eod] + context + choice), and each line's
-    (choices, label); its rows are consecutive."""
+    """Scoring rows of every choice of every line ([eod] + context + choice, split as `split_context` splits them:
+    the harness's convention), and each line's (choices, label); its rows are consecutive."""
     rows, examples = [], []
     for where, rec in read_jsonl(path, ["context", "choices", "label"]):
         options, label = rec["choices"], rec["label"]
@@ -141,9 +148,9 @@ def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tupl
         if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < len(options):
             raise DataError(f"{where}: 'label' {label!r} is not an index into its {len(options)} choices "
                             f"(0..{len(options) - 1})")
-        context = [tokenizer.eod] + tokenizer.encode(str(rec["context"]))
         for c in options:
-            target = tokenizer.encode(c)
+            before, after = split_context(str(rec["context"]), c)
+            context, target = [tokenizer.eod] + tokenizer.encode(before), tokenizer.encode(after)
             if not target:
                 raise DataError(f"{where}: the choice {c!r} has no tokens")
             rows.append((fits(context + target, seq_length, where), len(context)))
