@@ -188,6 +188,20 @@ def test_save_and_load_tokenizers(sp_tok, tmp_path):
         load_tokenizer(tmp_path / "nothing")
 
 
+def test_tokenizer_files_and_sidecars_get_the_mode_of_other_files(sp_tok, tmp_path):
+    """Written through a temporary file (mkstemp: 0600) and renamed, they get the mode open() gives a new file
+    here (0666 less the umask), as the rest of a run directory or a corpus has."""
+    import os
+    from megalm.data.provenance import sidecar_path, write_provenance
+    (tmp_path / "plain").write_text("x")
+    want = os.stat(tmp_path / "plain").st_mode & 0o777
+    folder = sp_tok.save_to(tmp_path / "sp")
+    written = [p for p in folder.iterdir() if p.is_file()]
+    assert written and all(os.stat(p).st_mode & 0o777 == want for p in written)
+    write_provenance(tmp_path / "corpus", sp_tok, documents=1)
+    assert os.stat(sidecar_path(tmp_path / "corpus")).st_mode & 0o777 == want
+
+
 def test_a_sentencepiece_model_given_as_its_folder_or_as_the_wrong_file(sp_tok, tmp_path):
     """tokenizer.model may name the folder train_tokenizer (or a run) wrote; a folder without a model, or a JSON
     file, is refused saying what was given and what to give."""

@@ -5,6 +5,8 @@ computes (attention masks, relative position buckets against Hugging Face's own 
 against torch's FLOP counter) and what a sample holds (megatron-core's span-corruption layout).
 """
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -350,6 +352,33 @@ def test_generate_cli_reads_the_prompt_as_the_source(t5_run, capsys):
     room = cfg.model.decoder_seq_length - 1
     main([str(t5_run), "--prompt", "5 6 7 8", "--temperature", "0", "--max-new-tokens", str(room + 5)])
     assert f"# generating at most {room} tokens, not {room + 5}" in capsys.readouterr().err
+
+
+def test_an_export_generates_with_transformers_as_megalm_generates(tmp_path):
+    """config.json carries the ids megalm's generation uses (its tokenizer's BOS to start the decoder, EOS to stop,
+    PAD), so transformers' generate() on the export, given nothing but the source, gives megalm's greedy output.
+    A t5_tiny run in Hugging Face T5's form (relative positions, RMSNorm, no biases, the head tied)."""
+    import transformers
+    from megalm.convert import export_to_hf
+    from megalm.data.samples.t5 import t5_specials
+    from megalm.train import run
+    run_dir = tmp_path / "run"
+    run(load("model=t5_tiny", "model.position_embedding=relative", "model.normalization=rmsnorm", "model.bias=false",
+             "model.head_bias=false", "model.tie_embeddings=true", "data=mock", "logging.curves=false",
+             "trainer.max_steps=2", "trainer.eval_interval=0", "trainer.eval_steps=1", "trainer.progress_bar=false",
+             "trainer.global_batch_size=8"), run_dir, 1)
+    out = export_to_hf(run_dir, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    want, _, tok = _alone(run_dir, [5, 6, 7, 8], 8)
+    assert len(want) >= 2  # something to compare
+    specials = t5_specials(tok)
+    assert (config["decoder_start_token_id"], config["eos_token_id"], config["pad_token_id"]) == \
+        (specials.bos, specials.eos, specials.pad) == (1, 2, 0)  # the mock tokenizer's (t5_specials)
+    hf = transformers.T5ForConditionalGeneration.from_pretrained(out).eval()
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=8, do_sample=False)[0].tolist()
+    assert got[0] == specials.bos
+    assert [t for t in got[1:] if t not in (specials.eos, specials.pad)] == want
 
 
 def test_the_server_answers_with_a_t5_runs_output_for_each_source(t5_run):

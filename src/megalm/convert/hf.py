@@ -247,6 +247,10 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
         (out / stale).unlink(missing_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     hf = hf_config(cfg, arch, dtype, eod=tok.eod if tok is not None and tok.eod < cfg.vocab_size else None)
+    ids_of = getattr(_mapping(cfg.arch), "generation_ids", None)  # an encoder-decoder's start, end and padding
+    named = tok if tok is not None else _run_tokenizer(run_dir)
+    if ids_of is not None and named is not None:
+        hf.update(ids_of(named))
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
     copied = _copy_tokenizer(tok, run_dir, out) if tok is not None else None
     step = json.loads((step_dir / STATE_FILE).read_text()).get("step") if (step_dir / STATE_FILE).is_file() else None

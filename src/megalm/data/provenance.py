@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
+from megalm.data.tokenizers.base import atomic_write
 from megalm.errors import DataError
 
 SUFFIX = ".megalm.json"
@@ -48,10 +48,7 @@ def write_record(prefix: Union[str, os.PathLike], made_with: Dict[str, Any], **f
     """write_provenance from a tokenizer record (as read_provenance gives it: a merge passes one on)."""
     path = sidecar_path(prefix)
     record = {"format": FORMAT, "tokenizer": made_with, **facts}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(record, indent=1).encode())
     return path
 
 

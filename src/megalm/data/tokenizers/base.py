@@ -32,10 +32,14 @@ def padded_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128, 
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write `data` to `path` through a temporary file renamed into place: a reader sees the old file or the new."""
+    """Write `data` to `path` through a temporary file renamed into place: a reader sees the old file or the new.
+    The file gets the mode any other file written here gets (0666 less the umask; mkstemp's is 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
     os.replace(tmp, path)
 
 

@@ -127,6 +127,14 @@ def hf_config(cfg: T5Config, arch: str, dtype: str = "float32", eod: Optional[in
     return out
 
 
+def generation_ids(tokenizer) -> Dict[str, int]:
+    """The ids megalm's T5 generation uses (megalm.data.samples.t5.t5_specials of the run's tokenizer), as
+    transformers' generate() reads them from config.json: the decoder starts at BOS, stops at EOS, pads with PAD."""
+    from megalm.data.samples.t5 import t5_specials
+    specials = t5_specials(tokenizer)
+    return {"decoder_start_token_id": specials.bos, "eos_token_id": specials.eos, "pad_token_id": specials.pad}
+
+
 def model_config_from_hf(hf: Dict[str, Any], name: str, seq_length: Optional[int] = None) -> T5Config:
     """The T5Config of a t5 config.json dict; an error for what megalm cannot compute."""
     proj = check(hf, "feed_forward_proj", "relu", tuple(FEED_FORWARD))
