@@ -49,7 +49,10 @@ def test_train_cli_tp2_end_to_end(tmp_path):
     assert sum('"loss"' in line for line in lines) == 3  # rank 0 alone writes metrics
     assert (run_dir / "config.yaml").exists() and (run_dir / "train.log").exists()
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000003"
-    assert "[rank 1]" not in (run_dir / "train.log").read_text()
+    log = (run_dir / "train.log").read_text()
+    assert "[rank 1]" not in log
+    # the progress bar is on (the default), and the log still has a line for every log_interval, once
+    assert [sum(f"step {k}/3 loss" in line for line in log.splitlines()) for k in (1, 2, 3)] == [1, 1, 1]
     last = [json.loads(line) for line in lines if '"loss"' in line][-1]
     assert len(last["peak_mem_gb_per_rank"]) == 2 and all(m > 0 for m in last["peak_mem_gb_per_rank"])
 

@@ -224,7 +224,8 @@ class TrainerConfig:
     fresh pages to fault in: 1.16x tokens/s on the default run, for a higher resident peak; docs/PERFORMANCE.md;
     glibc only) | system (the C library's defaults, MALLOC_* environment variables included)."""
     progress_bar: bool = True
-    """Show a progress bar on rank 0 (a plain log line per log_interval otherwise)."""
+    """Show a progress bar on rank 0 (on the console, below the log); the log (train.log, and the console) gets a
+    line every log_interval either way."""
     time_breakdown: bool = True
     """Log where each step's time goes (data, forward, backward, optimizer, collectives, pipeline idle) as time_*_s
     at log_interval; under 1% of a CPU step (docs/PERFORMANCE.md); on CUDA it synchronizes the device at each phase."""

@@ -393,7 +393,7 @@ class Trainer:
                     self.metrics.write(out)
                     bar.set_postfix(loss=f"{out['loss']:.3f}", lr=f"{out['lr']:.2e}",
                                     tok_s=f"{out['tokens_per_s']:.0f}", refresh=False)
-                    if not c.progress_bar and self.is_rank0:
+                    if self.is_rank0:  # with the bar too: train.log keeps every interval (the bar stays below)
                         log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s%s", self.step, c.max_steps,
                                  out["loss"], out["lr"], out["tokens_per_s"],
                                  f" | {describe(out)}" if "time_step_s" in out else "")
