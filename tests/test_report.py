@@ -69,18 +69,47 @@ def test_the_report_draws_every_run_of_a_sweep(sweep):
                          timeout=300)
     assert out.returncode == 0, out.stderr
     assert "2 run(s) drawn" in out.stdout and (sweep_dir / "report.png").read_bytes()[:8] == PNG
-    from megalm.report import PANELS, draw, find_runs
+    from megalm.report import draw, find_runs
     runs = find_runs([sweep_dir])
     assert [r.name for r in runs] == ["0", "1"]
     fig = draw(runs)
-    for ax, (key, title) in zip(fig.axes, PANELS):
-        assert ax.get_title() == title
+    panels = fig.axes[:4]
+    assert [ax.get_title() for ax in panels] == ["loss", "validation perplexity", "learning rate", "throughput"]
+    assert [ax.get_ylabel() for ax in panels] == ["loss (nats a token)", "perplexity (e^loss)", "learning rate",
+                                                  "tokens/s"]
+    assert fig.get_suptitle().startswith("2 runs of gpt_tiny: ") and "optimizer.lr" not in fig.get_suptitle()
+    label = {"0": "optimizer.lr=0.001", "1": "optimizer.lr=0.003"}  # the override that sets each apart
+    for ax, keys in zip(panels, (["loss", "val_loss"], ["val_ppl"], ["lr"], ["tokens_per_s"])):
         lines = ax.get_lines()
-        assert len(lines) == 2, key
-        for line, run in zip(lines, runs):
-            steps, values = zip(*_records(run, key))
+        assert sorted((line.get_gid(), line.get_label()) for line in lines) == \
+            sorted((k, label[r.name]) for k in keys for r in runs)  # training and validation loss in one panel
+        for line in lines:
+            run = next(r for r in runs if label[r.name] == line.get_label())
+            steps, values = zip(*_records(run, line.get_gid()))
             assert list(line.get_xdata()) == list(steps) and list(line.get_ydata()) == pytest.approx(values)
-            assert line.get_label() == "optimizer.lr=" + ("0.001" if run.name == "0" else "0.003")  # what differs
+            assert line.get_linestyle() == ("--" if line.get_gid() == "val_loss" else "-")
+
+
+def test_a_fine_tunes_curves_draw_its_task_metric_and_title_it(tmp_path):
+    """A fine-tune's validation accuracy gets the second panel (its perplexity would mean nothing there); the title
+    names the model and the run's layout, precision, batch, learning rate and steps."""
+    from megalm.report import draw
+    run = tmp_path / "ft"
+    run.mkdir()
+    (run / "config.yaml").write_text("model:\n  name: gpt_125m\n  seq_length: 128\nparallel:\n  tp: 2\n  pp: 1\n"
+                                     "  dp: 1\n  cp: 1\ntrainer:\n  precision: bf16\n  global_batch_size: 16\n"
+                                     "  max_steps: 4\noptimizer:\n  lr: 2.0e-05\n")
+    records = [{"step": k, "loss": 1.0 / k, "lr": 2e-5, "tokens_per_s": 100.0} for k in range(1, 5)]
+    records += [{"step": k, "val_loss": 0.9 / k, "val_acc": 0.5 + k / 10} for k in (2, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    fig = draw([run])
+    assert fig.get_suptitle() == "gpt_125m: tp2, bf16, batch 16 x 128 tokens, lr 2e-05, 4 steps"
+    metric = fig.axes[1]
+    assert metric.get_title() == "validation accuracy" and metric.get_ylabel() == "accuracy (fraction right)"
+    (line,) = metric.get_lines()
+    assert list(line.get_xdata()) == [2, 4] and list(line.get_ydata()) == pytest.approx([0.7, 0.9])
+    assert {line.get_gid() for line in fig.axes[0].get_lines()} == {"loss", "val_loss"}
+    fig.savefig(tmp_path / "ft.png")
 
 
 @pytest.mark.parametrize("args,says", [

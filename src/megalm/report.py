@@ -2,7 +2,9 @@
 
 A run directory is one holding metrics.jsonl (megalm.training.metrics); any other directory given is
 searched below for them (a Hydra sweep: one run a job). The figure has four panels over the optimizer
-step: training loss, validation loss, learning rate and throughput (tokens/s), one line a run,
+step, each axis labelled with its unit: training and validation loss together (solid and dashed), a fine-tune's
+validation task metric (accuracy...) or else the validation perplexity, learning rate and throughput (tokens/s),
+titled with the model and what sets the run apart; one colour a run,
 labelled by the overrides its sweep job ran with that set it apart from the other runs drawn (job.json,
 written by megalm.train in a multirun), or else by its directory. Written as PNG with matplotlib (its
 Figure API: no display needed), to --output or to report.png in the one directory given. A run also draws its own curves to curves.png when it ends
@@ -27,9 +29,14 @@ from megalm.errors import ConfigError, cli_errors
 PROG = "megalm.report"
 METRICS = "metrics.jsonl"
 JOB = "job.json"
-PANELS: Tuple[Tuple[str, str], ...] = (("loss", "training loss"), ("val_loss", "validation loss"),
-                                       ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
-"""(metrics.jsonl key, panel title), in the figure's reading order."""
+PANELS: Tuple[Tuple[str, str, Tuple[str, ...]], ...] = (
+    ("loss", "loss (nats a token)", ("loss", "val_loss")),
+    ("validation metric", "", ()),  # a fine-tune's task metrics (val_acc...), else the validation perplexity
+    ("learning rate", "learning rate", ("lr",)),
+    ("throughput", "tokens/s", ("tokens_per_s",)))
+"""(panel title, y-axis label, metrics.jsonl keys drawn), in the figure's reading order."""
+STYLE = {"loss": ("training", "-"), "val_loss": ("validation", "--")}
+"""A key's name in the legend and its line style, where one panel draws two keys."""
 
 Curve = Tuple[List[int], List[float]]
 
@@ -95,36 +102,91 @@ def read_job(run_dir: Path) -> Optional[dict]:
         return None
 
 
+def task_metrics(curves: Dict[str, Curve]) -> List[str]:
+    """The validation metrics a run logged beyond its loss and perplexity (a fine-tune's accuracy, its QA head's
+    start and end accuracy)."""
+    return sorted(k for k in curves if k.startswith("val_") and k not in ("val_loss", "val_ppl"))
+
+
+def run_title(run: Path) -> str:
+    """The model and what sets the run apart: its sweep job's overrides (job.json), or else the layout, precision,
+    batch, learning rate and steps of its config.yaml."""
+    import yaml  # PyYAML, a dependency of omegaconf
+    try:
+        cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        cfg = {}
+    model, par, tr, opt = (cfg.get(k) or {} for k in ("model", "parallel", "trainer", "optimizer"))
+    job = read_job(run)
+    if job and job.get("overrides"):
+        apart = " ".join(job["overrides"])
+    elif tr:
+        layout = " ".join(f"{k}{par[k]}" for k in ("tp", "pp", "dp", "cp") if par.get(k, 1) != 1) or "one process"
+        apart = (f"{layout}, {tr.get('precision')}, batch {tr.get('global_batch_size')} x {model.get('seq_length')} "
+                 f"tokens, lr {opt.get('lr')}, {tr.get('max_steps')} steps")
+    else:
+        apart = run.name
+    return f"{model.get('name', run.name)}: {apart}"
+
+
 def draw(runs: Sequence[Path], title: Optional[str] = None):
-    """The matplotlib Figure of `runs`' curves (PANELS, one line a run in each panel it has data for)."""
+    """The matplotlib Figure of `runs`' curves (PANELS, one colour a run; training and validation loss together,
+    solid and dashed)."""
     from matplotlib.figure import Figure  # no pyplot: no global figure state, no GUI backend
+    from matplotlib.lines import Line2D
     from matplotlib.ticker import MaxNLocator
     fig = Figure(figsize=(12, 8), layout="constrained")
     axes = fig.subplots(2, 2)
     data = list(zip(run_labels(runs), map(read_metrics, runs)))
-    for ax, (key, name) in zip(axes.flat, PANELS):
-        drawn = 0
+    metrics = sorted({k for _, curves in data for k in task_metrics(curves)})
+    for ax, (name, unit, keys) in zip(axes.flat, PANELS):
+        if name == "validation metric":
+            keys = tuple(metrics) or ("val_ppl",)
+            name = "validation " + (", ".join(k[4:].replace("acc", "accuracy") for k in metrics) if metrics
+                                    else "perplexity")
+            unit = "accuracy (fraction right)" if metrics and all(k.endswith("acc") for k in metrics) else \
+                "value" if metrics else "perplexity (e^loss)"
+        drawn = set()
         for i, (label, curves) in enumerate(data):
-            if key in curves:
-                steps, values = curves[key]
-                ax.plot(steps, values, label=label, color=f"C{i % 10}",
-                        marker="o" if len(steps) < 20 else None, markersize=3)
-                drawn += 1
+            for j, key in enumerate(keys):
+                if key in curves:
+                    steps, values = curves[key]
+                    ax.plot(steps, values, label=label, color=f"C{i % 10}", linestyle=_style(key, j), gid=key,
+                            marker="o" if len(steps) < 20 or key.startswith("val_") else None, markersize=3)
+                    drawn.add(key)
         ax.set_title(name)
-        ax.set_xlabel("step")
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(unit)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(True, alpha=0.3)
-        if key == "lr":
+        if keys == ("lr",):
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 3))
+        else:  # the values themselves on the axis, not an offset added to small ticks
+            ax.ticklabel_format(axis="y", useOffset=False)
+        if len(drawn) > 1:  # which line is which key: the styles
+            ax.legend([Line2D([], [], color="gray", linestyle=_style(k, j)) for j, k in enumerate(keys)],
+                      [STYLE[k][0] if k in STYLE else k[4:] for k in keys], fontsize="small")
         if not drawn:
-            ax.text(0.5, 0.5, f"no {key} in {METRICS}", ha="center", va="center", transform=ax.transAxes,
-                    color="gray")
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    if len(data) > 1 and handles:
+            ax.text(0.5, 0.5, f"no {' or '.join(keys)} in {METRICS}", ha="center", va="center",
+                    transform=ax.transAxes, color="gray")
+    if len(data) > 1:
+        handles = [Line2D([], [], color=f"C{i % 10}") for i in range(len(data))]
+        labels = [label for label, _ in data]
         columns = 1 if max(map(len, labels)) > 60 else min(4, len(handles))
         fig.legend(handles, labels, loc="outside lower center", ncol=columns, fontsize="small")
-    fig.suptitle(title or (runs[0].name if len(runs) == 1 else f"{len(runs)} runs"))
+    fig.suptitle(title or run_title(runs[0]) if len(runs) == 1 else title or _runs_title(runs))
     return fig
+
+
+def _style(key: str, j: int) -> str:
+    return STYLE[key][1] if key in STYLE else "-" if j == 0 else ":"
+
+
+def _runs_title(runs: Sequence[Path]) -> str:
+    """Many runs: how many, the model, and the overrides they all share."""
+    shared = set.intersection(*(set((read_job(r) or {}).get("overrides") or []) for r in runs))
+    model = run_title(runs[0]).split(":")[0]
+    return f"{len(runs)} runs of {model}" + (f": {' '.join(sorted(shared))}" if shared else "")
 
 
 def write_report(runs: Sequence[Path], output: Path, title: Optional[str] = None) -> Path:
