@@ -53,6 +53,7 @@ def test_train_cli_tp2_end_to_end(tmp_path):
     assert "[rank 1]" not in log
     # the progress bar is on (the default), and the log still has a line for every log_interval, once
     assert [sum(f"step {k}/3 loss" in line for line in log.splitlines()) for k in (1, 2, 3)] == [1, 1, 1]
+    assert "MFU is against a fp32 matmul measured now on this cpu" in log  # cluster=local names its denominator
     last = [json.loads(line) for line in lines if '"loss"' in line][-1]
     assert len(last["peak_mem_gb_per_rank"]) == 2 and all(m > 0 for m in last["peak_mem_gb_per_rank"])
 

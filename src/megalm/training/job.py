@@ -104,6 +104,10 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
         after_weight_passes(pipeline, data_parallel.absorb)
     optimizer = build_optimizer(cfg.optimizer, model, data_parallel)
     peak = peak_flops_for(cfg.cluster, t.precision, device)
+    if rank == 0 and not (cfg.cluster.peak_flops or t.precision in cfg.cluster.peak_flops_per_dtype):
+        log.info("MFU is against a %s matmul measured now on this %s: %.3g TFLOP/s a device; it moves with what "
+                 "else the machine runs (set cluster.peak_flops for a fixed denominator)", t.precision, device.type,
+                 peak / 1e12)
     trainer = Trainer(
         t, model=model, optimizer=optimizer, schedule=LRSchedule(cfg.optimizer, t.max_steps), data=data,
         family=family, checkpointer=checkpointer, mesh=mesh, layout=layout, pipeline=pipeline, data_parallel=data_parallel,
