@@ -306,13 +306,8 @@ class Server:
                                     "choices": [{"text": rest, "index": index, "logprobs": None,
                                                  "finish_reason": str(value) if kind == "done" else "error"}]})
                         break
-            completion = sum(len(req.tokens) for req, _ in started)
-            if usage is not None:
-                usage["completion_tokens"] = completion
-            if prompt_tokens is not None:  # stream_options.include_usage
-                yield _sse({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
-                            "choices": [], "usage": _usage(prompt_tokens, completion)})
-            yield "data: [DONE]\n\n"
+            for event in _stream_end(cid, model, "text_completion", started, prompt_tokens, usage):
+                yield event
         finally:
             for req, _ in started:
                 self.engine.cancel(req)
@@ -385,13 +380,8 @@ class Server:
                         rest = final[len(sent):] if final.startswith(sent) else ""
                         yield chunk(j, {"content": rest} if rest else {}, str(value) if kind == "done" else "error")
                         break
-            completion = sum(len(req.tokens) for req, _ in started)
-            if usage is not None:
-                usage["completion_tokens"] = completion
-            if prompt_tokens is not None:  # stream_options.include_usage
-                yield _sse({"id": cid, "object": "chat.completion.chunk", "created": int(time.time()), "model": model,
-                            "choices": [], "usage": _usage(prompt_tokens, completion)})
-            yield "data: [DONE]\n\n"
+            for event in _stream_end(cid, model, "chat.completion.chunk", started, prompt_tokens, usage):
+                yield event
         finally:
             for req, _ in started:
                 self.engine.cancel(req)
@@ -402,6 +392,19 @@ class Server:
 
 
 _TYPE_TAG = re.compile(r"(str|int|float|bool|none|[a-z]+\[.*\]|function-[a-z]+\[.*\])")
+
+
+def _stream_end(cid: str, model: str, kind: str, started, prompt_tokens: Optional[int],
+                usage: Optional[Dict[str, int]]):
+    """A stream's last events: with stream_options.include_usage (`prompt_tokens` given) a chunk holding no choice
+    and the usage, then [DONE]; the completion tokens go to the access log's `usage` too."""
+    completion = sum(len(req.tokens) for req, _ in started)
+    if usage is not None:
+        usage["completion_tokens"] = completion
+    if prompt_tokens is not None:
+        yield _sse({"id": cid, "object": kind, "created": int(time.time()), "model": model, "choices": [],
+                    "usage": _usage(prompt_tokens, completion)})
+    yield "data: [DONE]\n\n"
 
 
 class _AccessLog:
