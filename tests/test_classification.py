@@ -451,15 +451,20 @@ def test_evaluate_classify_at_tp2_pp2_and_dp2(runs, choices, sentiment):
             assert_same_numbers(single, got, (job[0].parent.name, layout))
 
 
-def test_epochs_set_the_steps_from_the_examples(pretrained, sentiment, tmp_path):
-    """trainer.epochs=2 over the training file's examples at global batch 8: ceil(2 x examples / 8) steps."""
+def test_epochs_set_the_steps_from_the_examples(pretrained, sentiment, tmp_path, caplog):
+    """trainer.epochs=2 over the training file's examples at global batch 8: ceil(2 x examples / 8) steps. The data
+    is read twice (to count it, then to train), and what it holds is said once."""
+    import logging
     from megalm.train import run
     from megalm.validation import validate
     examples = len(Path(sentiment[0]).read_text().splitlines()) - 1  # the header is not an example
     base = [o for o in _base(pretrained, sentiment) if not o.startswith("trainer.max_steps")]
     cfg = load(*base, "trainer.epochs=2", "trainer.max_steps=1")
     validate(cfg, 1)
-    run(cfg, tmp_path / "run", 1)
+    with caplog.at_level(logging.INFO):
+        run(cfg, tmp_path / "run", 1)
+    assert sum("classification (" in r.getMessage() for r in caplog.records) == 1
+    assert sum("trainer.epochs=2 over" in r.getMessage() for r in caplog.records) == 1
     train, _ = _records(tmp_path / "run")
     assert len(train) == -(-2 * examples // 8) == 24
     assert "max_steps: 24" in (tmp_path / "run" / "config.yaml").read_text()

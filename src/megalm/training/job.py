@@ -136,8 +136,14 @@ def steps_for_epochs(cfg: Config, tokenizer, samples) -> Config:
     """cfg with trainer.max_steps = ceil(trainer.epochs x one epoch's training samples / global batch):
     the fine-tuning data read once to count them (the run then reads it again for its steps)."""
     t = cfg.trainer
-    one_epoch = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
-                           samples=samples)
+    data_log = logging.getLogger("megalm.data")  # the run's own build says what it read: once, not here too
+    level = data_log.level
+    data_log.setLevel(logging.WARNING)
+    try:
+        one_epoch = build_data(cfg.data, seq_length=cfg.model.seq_length, seed=t.seed, tokenizer=tokenizer,
+                               samples=samples)
+    finally:
+        data_log.setLevel(level)
     n = len(one_epoch.train)
     steps = max(1, math.ceil(t.epochs * n / t.global_batch_size))
     if not dist.is_initialized() or dist.get_rank() == 0:
