@@ -204,7 +204,7 @@ def _step_on_this_rank(world, cfg):
         def tracked(frame):
             while frame is not None:
                 code = frame.f_code
-                if code.co_filename.endswith("megalm/distributed/comm.py") or (
+                if code.co_filename.endswith(("megalm/distributed/comm.py", "megalm/distributed/async_comm.py")) or (
                         code.co_qualname.startswith("_AllToAll.")
                         and code.co_filename.endswith("megalm/parallel/experts.py")):
                     return True

@@ -23,6 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megalm.data.samples.t5 import t5_specials
 from megalm.models.hf_rules import SAME, Rule, Transform, UnsupportedArchitecture, check, get, rows, unsupported
 from megalm.errors import ConfigError
 from megalm.models.t5.config import T5Config
@@ -130,7 +131,6 @@ def hf_config(cfg: T5Config, arch: str, dtype: str = "float32", eod: Optional[in
 def generation_ids(tokenizer) -> Dict[str, int]:
     """The ids megalm's T5 generation uses (megalm.data.samples.t5.t5_specials of the run's tokenizer), as
     transformers' generate() reads them from config.json: the decoder starts at BOS, stops at EOS, pads with PAD."""
-    from megalm.data.samples.t5 import t5_specials
     specials = t5_specials(tokenizer)
     return {"decoder_start_token_id": specials.bos, "eos_token_id": specials.eos, "pad_token_id": specials.pad}
 
