@@ -74,11 +74,14 @@ def _adjusted(logits: torch.Tensor, r: "Request") -> torch.Tensor:
     """(1, V) logits to draw r's next token from: the model's, less the presence and frequency penalties of the tokens
     r generated, plus its logit bias."""
     sp = r.sampling
+    penalised = bool(r.tokens) and bool(sp.presence_penalty or sp.frequency_penalty)
+    if not (sp.logit_bias or penalised):
+        return logits[None]  # nothing to adjust: no copy
     out = logits.float()[None]
     if sp.logit_bias:
         ids, bias = zip(*sp.logit_bias)
         out = out.index_add(1, torch.tensor(ids, device=out.device), torch.tensor([bias], device=out.device))
-    if r.tokens and (sp.presence_penalty or sp.frequency_penalty):
+    if penalised:
         counts = torch.bincount(torch.tensor(r.tokens, device=out.device), minlength=out.shape[-1])[None].float()
         out = out - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
     return out
