@@ -500,3 +500,26 @@ def test_sigkill_of_a_two_rank_job_resumes_with_bitwise_identical_losses(two_ran
     resumed = losses(run_dir)
     assert {s: resumed[s] for s in (3, 4)} == {s: reference[s] for s in (3, 4)}  # ==, not approx
     assert resumed == reference
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_optimizer_state_made_for_a_checkpoint_leaves_the_first_step_as_it_was(kind):
+    """A save (or a load) before the first step creates the optimizer's lazy state; the first step after it is the
+    fresh optimizer's to the bit (torch's own initialiser leaves Adam at step 1: another bias correction)."""
+    from megalm.parallel.optim_state import create_state
+    torch.manual_seed(0)
+    models = [torch.nn.Linear(8, 4) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    make = {"adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+            "sgd": lambda p: torch.optim.SGD(p, lr=1e-2, momentum=0.9)}[kind]
+    opts = [make(m.parameters()) for m in models]
+    create_state(opts[1], list(models[1].parameters()))
+    assert opts[1].state and all(p.grad is None for p in models[1].parameters())
+    x = torch.randn(16, 8)
+    for _ in range(3):
+        for m, o in zip(models, opts):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(a, b)

@@ -62,6 +62,7 @@ from torch import nn
 from megalm.distributed.async_comm import bucket_all_gather, bucket_all_reduce, bucket_reduce_scatter
 from megalm.distributed.mesh import replica_mesh
 from megalm.parallel.grads import sum_replicas
+from megalm.parallel.optim_state import create_state
 
 # Tags of a model parameter that its ZeRO shard carries (for the norm and the replica sums).
 SHARD_TAGS = ("tp_shard", "ep_shard", "sequence_parallel", "tied_copy_of")
@@ -478,18 +479,5 @@ class ZeroOptimizer:
         self.dp.zero_grad()  # the shards' gradients are views into the buckets and stay
 
     def _ensure_state(self) -> None:
-        """Create the optimizer's lazy state (Adam's moments) with a zero-lr step on zero gradients."""
-        if self.inner.state:
-            return
-        tensors = [s.tensor for s in self.dp.shards]
-        grads = [t.grad for t in tensors]  # views into the buckets' gradient shards: keep them
-        for t in tensors:
-            t.grad = torch.zeros_like(t)
-        lrs = [g["lr"] for g in self.inner.param_groups]
-        for g in self.inner.param_groups:
-            g["lr"] = 0.0
-        self.inner.step()
-        for g, lr in zip(self.inner.param_groups, lrs):
-            g["lr"] = lr
-        for t, g in zip(tensors, grads):
-            t.grad = g
+        """Create the optimizer's lazy state (Adam's moments) without changing its first step (optim_state.py)."""
+        create_state(self.inner, [s.tensor for s in self.dp.shards])

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from megalm.models.registry import family_of
+from megalm.parallel.optim_state import create_state
 from megalm.training.checkpoint.chunks import Chunked, place
 
 
@@ -88,8 +89,7 @@ def optim_entries(model: nn.Module, optimizer, data_parallel=None) -> Dict[str, 
                 _state_entries(out, model, name, s.param, inner.state[t], s.start, s.stop)
                 _group_entries(out, name, group)
         return out
-    from torch.distributed.checkpoint.state_dict import _init_optim_state
-    _init_optim_state(optimizer)
+    create_state(optimizer, [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad])
     for group in optimizer.param_groups:
         for p in group["params"]:
             name = _stored_name(names, p)
