@@ -190,6 +190,16 @@ class TrainerConfig:
     """Global batches of validation data per evaluation (the same samples every time)."""
     eval_at_start: bool = True
     """Evaluate before the first step, so the log shows where the loss started."""
+    monitor: str = "val_loss"
+    """The validation number checkpoint.save_best and early stopping watch: val_loss, val_ppl (language models), or
+    val_NAME for a number the model reports (val_acc, val_f1, val_mlm_acc, ...: train.log's validation lines)."""
+    monitor_mode: str = "auto"
+    """Which way trainer.monitor improves: min | max | auto (min for val_loss and val_ppl, max for the rest)."""
+    early_stopping_patience: int = 0
+    """Stop (saving a checkpoint) after this many evaluations in a row that do not improve trainer.monitor by more
+    than early_stopping_min_delta; 0 = never (the default)."""
+    early_stopping_min_delta: float = 0.0
+    """The least change of trainer.monitor that counts as an improvement."""
     log_interval: int = 10
     """Write metrics every this many steps."""
     precision: str = "fp32"
@@ -324,6 +334,9 @@ class CheckpointConfig:
     """Write checkpoints at all."""
     async_save: bool = False
     """Write checkpoints from a background thread (state copied to CPU first) while training goes on (default false)."""
+    save_best: bool = False
+    """Also save at each evaluation that is the best so far by trainer.monitor, and keep that checkpoint (`best` in
+    the checkpoint folder names it): evaluate, generate and serve then read it instead of the latest (default false)."""
 
 
 @dataclass

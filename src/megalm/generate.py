@@ -146,7 +146,7 @@ def load_for_generation(run_dir: Path, device: str = "cpu"):
     from megalm.training.checkpoint import Checkpointer, load_model_weights  # lazy: torch's checkpoint library, off `--help`
     cfg = load_run_config(run_dir)
     model = build_model(cfg.model, device=device)
-    step_dir = Checkpointer(cfg.checkpoint, run_dir).latest()
+    step_dir = Checkpointer(cfg.checkpoint, run_dir).for_reading()
     if step_dir is None:
         raise MissingFileError(f"no complete checkpoint under {run_dir / cfg.checkpoint.dir}: train this run "
                                "until it saves one (checkpoint.save=true), or point at a run that has one")

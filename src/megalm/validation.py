@@ -38,6 +38,7 @@ CHOICES = {
     "trainer.mixed_precision": ("autocast", "main_params"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "trainer.compile": ("none", "model", "blocks"),
+    "trainer.monitor_mode": ("auto", "min", "max"),
     "trainer.cpu_allocator": ALLOCATORS,
     "trainer.compile_backend": ("inductor", "aot_eager", "eager"),
     "data.source": ("stdlib", "stdlib_prose", "mock", "indexed", "sft", "classification", "qa"),
@@ -101,7 +102,9 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
         "trainer.num_threads": t.num_threads, "checkpoint.interval": cfg.checkpoint.interval,
         "checkpoint.keep_last": cfg.checkpoint.keep_last, "cluster.max_restarts": cfg.cluster.max_restarts,
         "data.max_corpus_mb": cfg.data.max_corpus_mb, "trainer.max_consecutive_skips": t.max_consecutive_skips,
-        "data.prefetch": cfg.data.prefetch, "optimizer.momentum": o.momentum,
+        "trainer.early_stopping_patience": t.early_stopping_patience,
+        "trainer.early_stopping_min_delta": t.early_stopping_min_delta, "data.prefetch": cfg.data.prefetch,
+        "optimizer.momentum": o.momentum,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -265,6 +268,14 @@ def validate(cfg: Config, world_size: int, launching: bool = False) -> None:
     if t.exit_interval is not None and t.exit_interval < 1:
         raise ConfigError(f"trainer.exit_interval={t.exit_interval} must be at least 1 (or null)")
     _validate_profile_steps(t)
+    watching = [k for k, on in (("checkpoint.save_best=true", cfg.checkpoint.save_best),
+                                (f"trainer.early_stopping_patience={t.early_stopping_patience}",
+                                 t.early_stopping_patience > 0)) if on]
+    if watching and t.eval_steps == 0:
+        raise ConfigError(f"{' and '.join(watching)} watch trainer.monitor={t.monitor} at each evaluation, but "
+                          "trainer.eval_steps=0 evaluates never: give eval_steps at least 1")
+    if cfg.checkpoint.save_best and not cfg.checkpoint.save:
+        raise ConfigError("checkpoint.save_best=true keeps the best checkpoint, but checkpoint.save=false writes none")
     split_weights(cfg.data.split)
 
 

@@ -145,7 +145,7 @@ def model_yaml(cfg: ModelConfig, header: str) -> str:
 
 def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, ModelConfig, Optional[Path]]:
     """(step folder, model config, directory holding config.yaml) for a run dir, checkpoint dir or step folder."""
-    from megalm.training.checkpoint import resolve, run_checkpoints  # lazy: torch's checkpoint library, ~1 s off `--help`
+    from megalm.training.checkpoint import kept_best, resolve, run_checkpoints  # lazy: torch's checkpoint library, ~1 s off `--help`
     path = Path(path).expanduser()
     what = "a megalm run directory (config.yaml + checkpoints/), a checkpoint dir (with `latest`) or a step folder"
     if not path.exists():
@@ -153,7 +153,7 @@ def locate_checkpoint(path: Path, config: Optional[Path] = None) -> Tuple[Path, 
     is_ckpt = (path / ".metadata").exists() or (path / "latest").exists()
     if (path / "config.yaml").is_file() and not is_ckpt:  # a run directory
         try:
-            step_dir = resolve(run_checkpoints(path))
+            step_dir = resolve(kept_best(run_checkpoints(path)))
         except FileNotFoundError as e:
             raise MissingFileError(f"run directory {path} has no complete checkpoint: {e}") from None
         config_file: Optional[Path] = path / "config.yaml"

@@ -135,7 +135,7 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int
     layout = parallelize(module, family_of(module.cfg.arch), mesh, parallel, seed=cfg.trainer.seed)
     materialize(module, torch.device(device))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, mesh["tp"].get_group())
-    step_dir = checkpointer.latest()
+    step_dir = checkpointer.for_reading()
     if step_dir is None:
         raise MissingFileError(f"no complete checkpoint under {run_dir / cfg.checkpoint.dir}: train this run "
                                "until it saves one (checkpoint.save=true), or point at a run that has one")

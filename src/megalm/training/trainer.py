@@ -25,6 +25,7 @@ from megalm.ops.routing import RoutingRecord, routing_step
 from megalm.training.checkpoint import Checkpointer
 from megalm.training.compiling import compile_report, compile_stats
 from megalm.training.metrics import MetricLogger, Throughput, peak_memory_bytes
+from megalm.training.monitor import Monitor
 from megalm.parallel.context import weighted_loss
 from megalm.parallel.grads import clip_grads, mean_over
 from megalm.training.optim import LRSchedule, set_lr
@@ -88,11 +89,20 @@ class Trainer:
         self.skips_in_a_row = 0
         self.run_dir = run_dir
         self.timer = StepTimer(device, pipeline) if cfg.time_breakdown else NoTimer()
+        self.monitor = Monitor(cfg.monitor, cfg.monitor_mode, cfg.early_stopping_patience, cfg.early_stopping_min_delta)
+        self.save_best = checkpointer.cfg.save_best and checkpointer.cfg.save
+        self.watching = self.save_best or cfg.early_stopping_patience > 0
+        if self.watching:
+            reported = ["val_loss"] + ([] if getattr(model.cfg, "fine_tuning_head", False) else ["val_ppl"])
+            self.monitor.check_names(reported + [f"val_{name}" for name in self.metric_names],
+                                     "checkpoint.save_best, trainer.early_stopping_patience")
+        self._improved = False  # the last evaluation was the best so far by trainer.monitor
 
     # -- state -----------------------------------------------------------------------------------
     def state(self) -> Dict[str, Any]:
         state = {"consumed_samples": self.loader.consumed_samples, "val_loss": self.val_loss,
-                 "skipped_steps": self.skipped_steps, "tokenizer": tokenizer_record(self.data.tokenizer)}
+                 "skipped_steps": self.skipped_steps, "tokenizer": tokenizer_record(self.data.tokenizer),
+                 "monitor": self.monitor.state_dict()}
         if self.scaler is not None:
             state["loss_scaler"] = self.scaler.state_dict()
         return state
@@ -107,6 +117,7 @@ class Trainer:
             self.loader.consumed_samples = saved["consumed_samples"]
             self.val_loss = saved.get("val_loss")
             self.skipped_steps = saved.get("skipped_steps", 0)
+            self.monitor.load_state_dict(saved.get("monitor"))
             if self.scaler is not None and "loss_scaler" in saved:
                 self.scaler.load_state_dict(saved["loss_scaler"])
             log.info("resuming at step %d (consumed samples %d)", self.step, self.loader.consumed_samples)
@@ -297,12 +308,38 @@ class Trainer:
         if not getattr(self.model.cfg, "fine_tuning_head", False):  # a language model's loss: its perplexity too
             record["val_ppl"] = math.exp(min(self.val_loss, 50.0))
         record.update(self.val_metrics)
+        self._improved = self.watching and self.monitor.update(self._agreed(record), self.step)
         self.metrics.write(record)
         if self.is_rank0:
             shown = [f"perplexity {record['val_ppl']:.1f}"] if "val_ppl" in record else []
             shown += [f"{k[4:]} {v:.4f}" for k, v in self.val_metrics.items()]
-            log.info("step %d: validation loss %.4f%s", self.step, self.val_loss,
-                     f" ({', '.join(shown)})" if shown else "")
+            log.info("step %d: validation loss %.4f%s%s", self.step, self.val_loss,
+                     f" ({', '.join(shown)})" if shown else "", self._watched())
+
+    def _agreed(self, record: Dict[str, float]) -> Dict[str, float]:
+        """record with rank 0's trainer.monitor value on every rank, so all ranks save and stop together."""
+        if not torch.distributed.is_initialized():
+            return record
+        value = torch.tensor([record[self.monitor.metric]], dtype=torch.float64, device=self.device)  # nccl: on GPU
+        torch.distributed.broadcast(value, src=0)
+        return dict(record, **{self.monitor.metric: value.item()})
+
+    def _watched(self) -> str:
+        """What the evaluation did to trainer.monitor, for its log line (nothing when nothing watches it)."""
+        m = self.monitor
+        if not self.watching:
+            return ""
+        if self._improved:
+            return f"; best {m.metric} so far"
+        if m.best is None:
+            return f"; {m.metric} is NaN"
+        return f"; {m.metric} not better than {m.best:.4f} (step {m.best_step}) for {m.stale} evaluation(s)"
+
+    def _save(self, best: bool = False) -> None:
+        self._settle_weights()
+        self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel, self.layout,
+                               best=best)
+        self.throughput.reset()  # do not charge the save to the next report's tokens/s
 
     # -- the loop --------------------------------------------------------------------------------
     def _settle_weights(self) -> None:
@@ -327,7 +364,7 @@ class Trainer:
 
     def _stop_requested(self) -> bool:
         """SIGTERM / SIGUSR1 (cluster preemption) seen on any rank; agreed so all ranks save together."""
-        flag = torch.tensor(1.0 if self._signal is not None else 0.0)
+        flag = torch.tensor(1.0 if self._signal is not None else 0.0, device=self.device)  # nccl: on the GPU
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
@@ -358,8 +395,16 @@ class Trainer:
         if c.compile != "none":
             before = compile_stats()  # this run's compilation (evaluation's graphs included) counts from here
         with logging_redirect_tqdm():
+            if self.monitor.exhausted:  # a rerun of a run that stopped early: it stays stopped
+                log.info("step %d: this run stopped early (trainer.monitor=%s last improved at step %s); nothing to "
+                         "train (raise trainer.early_stopping_patience to go on)", self.step, c.monitor,
+                         self.monitor.best_step)
+                bar.close()
+                return self.val_loss
             if c.eval_at_start and self.step == 0:
                 self._eval_and_log(bar)
+                if self._improved and self.save_best:  # the starting weights are the ones to beat
+                    self._save(best=True)
             self.throughput.reset()
             t_start = time.perf_counter()
             profiled = set(c.profile_steps)
@@ -397,15 +442,20 @@ class Trainer:
                         log.info("step %d/%d loss %.4f lr %.3g %.0f tok/s%s", self.step, c.max_steps,
                                  out["loss"], out["lr"], out["tokens_per_s"],
                                  f" | {describe(out)}" if "time_step_s" in out else "")
-                if last or (c.eval_interval > 0 and self.step % c.eval_interval == 0):
+                evaluated = last or (c.eval_interval > 0 and self.step % c.eval_interval == 0)
+                if evaluated:
                     self._eval_and_log(bar)
+                best = evaluated and self._improved and self.save_best
+                stopping = not last and evaluated and self.monitor.exhausted
                 exiting = not last and c.exit_interval is not None and self.step % c.exit_interval == 0
                 signalled = not last and self._stop_requested()
-                if self.checkpointer.due(self.step, last or exiting or signalled):
-                    self._settle_weights()
-                    self.checkpointer.save(self.step, self.model, self.optimizer, self.state(), self.data_parallel,
-                                           self.layout)
-                    self.throughput.reset()  # do not charge the save to the next report's tokens/s
+                if best or self.checkpointer.due(self.step, last or exiting or signalled or stopping):
+                    self._save(best)
+                if stopping:
+                    log.info("step %d: stopping early: %s has not improved on %.4f (step %d) for %d evaluations "
+                             "(trainer.early_stopping_patience=%d)", self.step, c.monitor, self.monitor.best,
+                             self.monitor.best_step, self.monitor.stale, c.early_stopping_patience)
+                    break
                 if exiting or signalled:
                     if signalled:
                         global _stopped_on_signal

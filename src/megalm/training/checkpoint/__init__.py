@@ -5,6 +5,8 @@ checkpoint at another parallel layout. Layout on disk:
 
     <dir>/step_00000100/        DCP shards + .metadata, trainer_state.json, config.yaml, manifest.json
     <dir>/latest                name of the newest step folder, written last (for people and tools)
+    <dir>/best                  checkpoint.save_best: the step folder of the best evaluation (kept from pruning);
+                                evaluate, generate, serve and convert read it instead of `latest`
 
 Every tensor is stored under its global name and full shape, the vocabulary matrices with only
 the real rows (their padding depends on tp), so a checkpoint holds the same keys and shapes
@@ -30,7 +32,7 @@ running code from the files), random_state (the shared and per-rank random strea
 """
 
 from megalm.training.checkpoint.checkpointer import Checkpointer, CorruptCheckpointError, load_model_weights
-from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, resolve, run_checkpoints
+from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, kept_best, resolve, run_checkpoints
 
-__all__ = ["CONFIG_FILE", "STATE_FILE", "Checkpointer", "CorruptCheckpointError", "load_model_weights", "resolve",
-           "run_checkpoints"]
+__all__ = ["CONFIG_FILE", "STATE_FILE", "Checkpointer", "CorruptCheckpointError", "kept_best", "load_model_weights",
+           "resolve", "run_checkpoints"]

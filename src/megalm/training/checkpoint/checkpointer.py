@@ -161,9 +161,10 @@ class Checkpointer:
 
     # -- save ------------------------------------------------------------------------------------
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: Dict[str, Any], data_parallel=None, layout=None) -> Path:
+             trainer_state: Dict[str, Any], data_parallel=None, layout=None, best: bool = False) -> Path:
         """Write step `step`; with checkpoint.async_save it is published by the next save or finish().
-        `layout`: what megalm.parallel.parallelize returned (None for a single process)."""
+        `layout`: what megalm.parallel.parallelize returned (None for a single process). `best`: the marker
+        `best` names it once it is published (checkpoint.save_best)."""
         self.finish()  # never two saves in flight: the previous one lands first
         name = f"step_{step:08d}"
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
@@ -189,7 +190,7 @@ class Checkpointer:
                                      no_dist=not dist.is_initialized())
             if _is_rank0():
                 written = self._sealer().submit(_seal_after, written, tmp)
-            self._pending = (written, tmp, final)
+            self._pending = (written, tmp, final, best)
             log.info("writing checkpoint %s in the background", final)
             return final
         try:
@@ -198,7 +199,7 @@ class Checkpointer:
                 write_manifest(tmp)
         except (Exception, CheckpointException) as e:  # DCP's exception is a BaseException
             self._write_failed(e, tmp)
-        self._publish(tmp, final)
+        self._publish(tmp, final, best)
         return final
 
     def _write_failed(self, error: BaseException, tmp: Path) -> None:
@@ -234,33 +235,53 @@ class Checkpointer:
         """Wait for a background save and publish it (no-op without one). Every rank calls it."""
         if self._pending is None:
             return
-        written, tmp, final = self._pending
+        written, tmp, final, best = self._pending
         self._pending = None
         try:
             written.result()  # DCP's own collectives: every rank's shards are on disk when this returns
         except (Exception, CheckpointException) as e:
             self._write_failed(e, tmp)
-        self._publish(tmp, final)
+        self._publish(tmp, final, best)
 
-    def _publish(self, tmp: Path, final: Path) -> None:
-        """Rank 0 renames a sealed folder (shards, trainer state, manifest) into place, then `latest`."""
+    def _publish(self, tmp: Path, final: Path, best: bool = False) -> None:
+        """Rank 0 renames a sealed folder (shards, trainer state, manifest) into place, then `latest` (and `best`)."""
         if _is_rank0():
             if final.exists():  # a re-run that reached the same step again
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            marker_tmp = self.dir / ".latest.tmp"
-            marker_tmp.write_text(final.name + "\n")
-            os.replace(marker_tmp, self.dir / "latest")
-            fsync_dir(self.dir)  # both renames on disk
+            for marker in ("latest", "best") if best else ("latest",):
+                marker_tmp = self.dir / f".{marker}.tmp"
+                marker_tmp.write_text(final.name + "\n")
+                os.replace(marker_tmp, self.dir / marker)
+            fsync_dir(self.dir)  # the renames on disk
             self._prune()
         _barrier()
-        log.info("saved checkpoint %s", final)
+        log.info("saved checkpoint %s%s", final, " (the best so far)" if best else "")
 
     def _prune(self) -> None:
         if self.cfg.keep_last <= 0:
             return
+        best = self._marked("best")
         for old in step_folders(self.dir)[self.cfg.keep_last:]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old.name != best:  # the best is kept whatever its age
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _marked(self, marker: str) -> Optional[str]:
+        try:
+            return (self.dir / marker).read_text().strip()
+        except OSError:
+            return None
+
+    def for_reading(self) -> Optional[Path]:
+        """The step folder tools read a run from: the one `best` names (checkpoint.save_best), verified, else
+        latest()."""
+        best = self._marked("best")
+        if best is None:
+            return self.latest()
+        path = self.dir / best
+        self.verify(path)  # named on purpose: a damaged one is an error, not a quiet fallback to another
+        log.info("reading %s, the best checkpoint by the run's trainer.monitor (checkpoint.save_best)", path)
+        return path
 
     # -- load ------------------------------------------------------------------------------------
     def load(self, path: Path, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer],

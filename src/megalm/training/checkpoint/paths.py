@@ -24,6 +24,13 @@ def run_checkpoints(run_dir: Path) -> Path:
     return ckpt if ckpt.is_absolute() else run_dir / ckpt
 
 
+def kept_best(ckpt_dir: Path) -> Path:
+    """What a tool reads from a checkpoint dir: the step folder `best` names (checkpoint.save_best), else the dir
+    itself (resolve takes its `latest`)."""
+    marker = Path(ckpt_dir) / "best"
+    return Path(ckpt_dir) / marker.read_text().strip() if marker.is_file() else Path(ckpt_dir)
+
+
 def resolve(path: str | Path) -> Path:
     """A step folder from a step folder, a checkpoint dir (its `latest`) or a run directory (its checkpoints)."""
     path = Path(path).expanduser()
