@@ -54,6 +54,9 @@ def test_train_cli_tp2_end_to_end(tmp_path):
     # the progress bar is on (the default), and the log still has a line for every log_interval, once
     assert [sum(f"step {k}/3 loss" in line for line in log.splitlines()) for k in (1, 2, 3)] == [1, 1, 1]
     assert "MFU is against a fp32 matmul measured now on this cpu" in log  # cluster=local names its denominator
+    from megalm.report import run_title
+    # curves.png is titled with what the command set (Hydra's overrides, the run directory's left out)
+    assert run_title(run_dir) == "gpt_tiny: " + " ".join(args[:-1])
     last = [json.loads(line) for line in lines if '"loss"' in line][-1]
     assert len(last["peak_mem_gb_per_rank"]) == 2 and all(m > 0 for m in last["peak_mem_gb_per_rank"])
 

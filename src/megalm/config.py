@@ -397,6 +397,10 @@ class LoggingConfig:
     curves: bool = True
     """Draw metrics.jsonl's curves (loss, validation loss, learning rate, tokens/s) to curves.png in the
     run directory when the run ends (megalm.report; needs logging.jsonl)."""
+    title: Optional[str] = None
+    """What curves.png's title says after the model's name; None = the overrides the run was started with on the
+    command line (a sweep's job: its own), or for a run started from Python its layout, precision, batch, learning
+    rate and steps."""
     wandb: WandbConfig = field(default_factory=WandbConfig)
     """Weights & Biases logging."""
 

@@ -109,8 +109,9 @@ def task_metrics(curves: Dict[str, Curve]) -> List[str]:
 
 
 def run_title(run: Path) -> str:
-    """The model and what sets the run apart: its sweep job's overrides (job.json), or else the layout, precision,
-    batch, learning rate and steps of its config.yaml."""
+    """The model and what sets the run apart: its logging.title (by default the command line's overrides), its
+    sweep job's overrides (job.json), or else the layout, precision, batch, learning rate and steps of its
+    config.yaml."""
     import yaml  # PyYAML, a dependency of omegaconf
     try:
         cfg = yaml.safe_load((run / "config.yaml").read_text()) or {}
@@ -118,7 +119,9 @@ def run_title(run: Path) -> str:
         cfg = {}
     model, par, tr, opt = (cfg.get(k) or {} for k in ("model", "parallel", "trainer", "optimizer"))
     job = read_job(run)
-    if job and job.get("overrides"):
+    if (cfg.get("logging") or {}).get("title"):
+        apart = cfg["logging"]["title"]
+    elif job and job.get("overrides"):
         apart = " ".join(job["overrides"])
     elif tr:
         layout = " ".join(f"{k}{par[k]}" for k in ("tp", "pp", "dp", "cp") if par.get(k, 1) != 1) or "one process"

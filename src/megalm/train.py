@@ -127,6 +127,9 @@ def _local_rendezvous_port(job, wait_s: float = 300.0) -> int:
 
 def _run(dcfg: DictConfig) -> Optional[float]:
     _adopt_submitit_rank()
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN and dcfg.logging.get("title") is None and hc.overrides.task:
+        dcfg.logging.title = " ".join(hc.overrides.task)  # curves.png names what the command set
     try:
         reject_unknown_keys(dcfg)
         cfg: Config = OmegaConf.to_object(dcfg)
