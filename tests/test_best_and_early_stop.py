@@ -138,3 +138,21 @@ def test_a_pipeline_run_stops_where_the_single_process_run_does(full, tmp_path):
         assert a == pytest.approx(b, rel=1e-5)
     assert (tmp_path / "checkpoints" / "best").read_text().strip() == "step_00000000"
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == f"step_{stop:08d}"
+
+
+def test_the_monitor_on_its_own():
+    """auto mode by name, a NaN never the best (and counted as no improvement), a resumed state kept only for the
+    same number watched the same way."""
+    from megalm.training.monitor import Monitor
+    acc = Monitor("val_acc", patience=2)
+    assert acc.mode == "max" and Monitor("val_ppl").mode == "min"
+    assert acc.update({"val_acc": float("nan")}, 0) is False and acc.best is None and acc.stale == 1
+    assert acc.update({"val_acc": 0.5}, 10) is True and acc.stale == 0
+    assert acc.update({"val_acc": 0.4}, 20) is False and not acc.exhausted
+    assert acc.update({"val_acc": float("nan")}, 30) is False and acc.exhausted
+    resumed = Monitor("val_acc", patience=2)
+    resumed.load_state_dict(acc.state_dict())
+    assert (resumed.best, resumed.best_step, resumed.exhausted) == (0.5, 10, True)
+    other = Monitor("val_loss", patience=2)
+    other.load_state_dict(acc.state_dict())
+    assert (other.best, other.stale) == (None, 0)

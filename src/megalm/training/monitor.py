@@ -53,4 +53,5 @@ class Monitor:
     def load_state_dict(self, state: Optional[Dict[str, Any]]) -> None:
         """A resumed run's: kept when it watched the same number the same way, else started afresh."""
         if state and state.get("metric") == self.metric and state.get("mode") == self.mode:
-            self.best, self.best_step, self.stale = state.get("best"), state.get("best_step"), int(state["stale"])
+            self.best, self.best_step = state.get("best"), state.get("best_step")
+            self.stale = int(state.get("stale", 0))

@@ -400,6 +400,7 @@ class Trainer:
                          "train (raise trainer.early_stopping_patience to go on)", self.step, c.monitor,
                          self.monitor.best_step)
                 bar.close()
+                self.metrics.close()
                 return self.val_loss
             if c.eval_at_start and self.step == 0:
                 self._eval_and_log(bar)
@@ -452,9 +453,10 @@ class Trainer:
                 if best or self.checkpointer.due(self.step, last or exiting or signalled or stopping):
                     self._save(best)
                 if stopping:
-                    log.info("step %d: stopping early: %s has not improved on %.4f (step %d) for %d evaluations "
-                             "(trainer.early_stopping_patience=%d)", self.step, c.monitor, self.monitor.best,
-                             self.monitor.best_step, self.monitor.stale, c.early_stopping_patience)
+                    m = self.monitor
+                    since = f"improved on {m.best:.4f} (step {m.best_step})" if m.best is not None else "been a number"
+                    log.info("step %d: stopping early: %s has not %s for %d evaluations (trainer.early_stopping_"
+                             "patience=%d)", self.step, c.monitor, since, m.stale, c.early_stopping_patience)
                     break
                 if exiting or signalled:
                     if signalled:
