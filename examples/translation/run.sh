@@ -5,10 +5,10 @@
 # of the same 78 held-out strings (BLEU, chrF, exact match).
 # Needs the catalogues and translation extras (both in the dev install). About 25 minutes on 2 cores.
 set -euo pipefail
-OUT=${OUT:-runs/translation}
+OUT=${OUT:-runs/translation}   # SEED (default 1234): the fine-tunes' seed (data order, dropout)
 python -m megalm.data.catalogues --language fr --output "$OUT/data"
 FINETUNE=(data=sft data.paths="[$OUT/data/train.jsonl]" checkpoint.finetune=true trainer.max_steps=150
-          trainer.eval_interval=50 optimizer.lr=3e-4 optimizer.warmup_steps=10)
+          trainer.eval_interval=50 optimizer.lr=3e-4 optimizer.warmup_steps=10 trainer.seed="${SEED:-1234}")
 
 # Decoder-only: the embedded default (gpt_cpu, 5.5M parameters), the pairs packed several a sequence.
 [ -f "$OUT/pretrain/checkpoints/latest" ] || python -m megalm.train hydra.run.dir="$OUT/pretrain"
