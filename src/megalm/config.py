@@ -192,7 +192,7 @@ class TrainerConfig:
     """Evaluate before the first step, so the log shows where the loss started."""
     monitor: str = "val_loss"
     """The validation number checkpoint.save_best and early stopping watch: val_loss, val_ppl (language models), or
-    val_NAME for a number the model reports (val_acc, val_f1, val_mlm_acc, ...: train.log's validation lines)."""
+    val_NAME for a number the model reports (val_acc, val_start_acc, val_mlm_acc, ...: train.log's validation lines)."""
     monitor_mode: str = "auto"
     """Which way trainer.monitor improves: min | max | auto (min for val_loss and val_ppl, max for the rest)."""
     early_stopping_patience: int = 0
