@@ -24,7 +24,7 @@ from megalm.errors import CheckpointError
 from megalm.training.checkpoint.chunks import ChunkedSavePlanner, stage_to_cpu
 from megalm.training.checkpoint.manifest import (
     MANIFEST, folder_problems, fsync_dir, fsync_file, has_manifest, step_folders, write_manifest)
-from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, resolve
+from megalm.training.checkpoint.paths import CONFIG_FILE, STATE_FILE, kept_best, resolve
 from megalm.training.checkpoint.random_state import rank_streams, rng_state, set_rank_streams, set_rng_state
 from megalm.training.checkpoint.safe_load import load_state, read_metadata
 from megalm.training.checkpoint.shapes import check_shapes
@@ -275,10 +275,9 @@ class Checkpointer:
     def for_reading(self) -> Optional[Path]:
         """The step folder tools read a run from: the one `best` names (checkpoint.save_best), verified, else
         latest()."""
-        best = self._marked("best")
-        if best is None:
+        path = kept_best(self.dir)
+        if path == self.dir:
             return self.latest()
-        path = self.dir / best
         self.verify(path)  # named on purpose: a damaged one is an error, not a quiet fallback to another
         log.info("reading %s, the best checkpoint by the run's trainer.monitor (checkpoint.save_best)", path)
         return path
