@@ -7,7 +7,8 @@ directory. The reference is transformers reading the same GGUF on its own (its G
 - greedy generation of 64 tokens is the same on 5 prompts;
 - perplexity over real text is the same, at one process, tp3 and pp2 (megalm.evaluate; tp2 cannot split 3
   key/value groups);
-- the generate command answers a chat question through the model's own chat template.
+- the generate command and the server (through the openai client) answer a chat question through the model's own
+  chat template.
 """
 
 import json
@@ -191,3 +192,18 @@ def test_a_source_that_is_neither_a_file_nor_a_distribution_is_named(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "no-such-model-dist is neither a file nor an installed pip distribution" in \
         done.stderr, done.stderr
+
+
+def test_serve_answers_an_openai_chat_client_through_the_models_chat_template(imported):
+    import openai
+    from server_process import start_server, stop_server
+    proc, url = start_server(imported)
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(model=model, max_tokens=20, temperature=0,
+                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+    finally:
+        assert stop_server(proc) == 0
+    assert reply.choices[0].message.content == "The capital of France is Paris."
+    assert reply.choices[0].finish_reason == "stop"  # the model's own end token (<|im_end|>) ended it
