@@ -40,16 +40,6 @@ def _cli(*args, timeout=900):
     return done
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Two test workers share two cores: one thread each runs these forwards several times faster than two
-    threads fighting another worker's."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     out = tmp_path_factory.mktemp("smollm2") / "ckpt"

@@ -228,7 +228,7 @@ class TrainerConfig:
     device: str = "auto"
     """auto (cuda if present, else cpu) | cpu | cuda."""
     num_threads: int = 0
-    """torch intra-op threads per rank on CPU; 0 = cores / local ranks."""
+    """torch intra-op threads per rank on CPU; 0 = $OMP_NUM_THREADS when it is set, else cores / local ranks."""
     cpu_allocator: str = "reuse"
     """On CPU, what malloc does with the large blocks a step frees: reuse (kept in the process for the next step, no
     fresh pages to fault in: 1.16x tokens/s on the default run, for a higher resident peak; docs/PERFORMANCE.md;

@@ -37,6 +37,12 @@ from megalm.training.precision import param_dtype
 log = logging.getLogger("megalm.train")
 
 
+def omp_threads() -> int:
+    """$OMP_NUM_THREADS as a positive number of threads, else 0 (unset, empty or not a positive integer)."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(value) if value.isdigit() and int(value) > 0 else 0
+
+
 def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     """Train on this rank; return the final validation loss (None when evaluation is off).
 
@@ -53,7 +59,7 @@ def run(cfg: Config, run_dir: Path, world_size: int = 1) -> Optional[float]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     if device.type == "cpu":
-        torch.set_num_threads(t.num_threads or max(1, (os.cpu_count() or 1) // local_ranks))
+        torch.set_num_threads(t.num_threads or omp_threads() or max(1, (os.cpu_count() or 1) // local_ranks))
         why = cpu_memory.apply_cpu_allocator(t.cpu_allocator)  # through the module: a test replaces it there
         if why is not None and rank == 0:
             log.warning("trainer.cpu_allocator=%s: %s", t.cpu_allocator, why)
