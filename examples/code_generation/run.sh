@@ -2,7 +2,7 @@
 # Code generation: pretrain the embedded default on the standard library's sources, fine-tune it to
 # write a function's body from its signature and docstring (the stdlib's own functions), then
 # pass@k on the HumanEval problems that fit its 256-token context, every completion run in the
-# sandbox. Needs the code extra (in the dev install). About 15 minutes on 2 cores.
+# sandbox. Needs the code extra (in the dev install). About 25 minutes on 2 cores.
 set -euo pipefail
 OUT=${OUT:-runs/code_generation}   # SEED (default 1234): the fine-tune's seed (data order, dropout)
 HERE=$(dirname "$0")
