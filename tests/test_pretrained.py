@@ -197,3 +197,16 @@ def test_serve_answers_an_openai_chat_client_through_the_models_chat_template(im
         assert stop_server(proc) == 0
     assert reply.choices[0].message.content == "The capital of France is Paris."
     assert reply.choices[0].finish_reason == "stop"  # the model's own end token (<|im_end|>) ended it
+
+
+def test_plan_lays_the_imported_model_out_from_its_config_dir(imported, ours):
+    """`megalm.plan --config-dir DIR/conf model=NAME`, as train takes an import: at tp3 each rank holds a third of
+    every matrix and of the (tied, vocabulary-parallel) embedding, and every norm whole."""
+    cfg, model, _ = ours
+    total = sum(p.numel() for p in model.parameters())
+    norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+    assert total == 134_515_008 and norms == 30 * 2 * 576 + 576  # SmolLM2-135M's published size; its norms
+    done = _cli("-m", "megalm.plan", "--config-dir", str(imported / "conf"), f"model={cfg.model.name}", "parallel.tp=3",
+                "--json")
+    positions = json.loads(done.stdout)["positions"]
+    assert positions and all(p["params"] == (total - norms) // 3 + norms for p in positions)

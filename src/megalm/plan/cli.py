@@ -37,9 +37,10 @@ from megalm.plan.positions import GB, plan
 PROG = "megalm.plan"
 
 
-def compose(overrides: List[str], gpus: Optional[int] = None):
+def compose(overrides: List[str], gpus: Optional[int] = None, config_dir: Optional[str] = None):
     """The Config `python -m megalm.train` would run with these overrides, validated for its world size
-    (`gpus` ranks when given, parallel.dp then filling what tp x pp leaves)."""
+    (`gpus` ranks when given, parallel.dp then filling what tp x pp leaves). `config_dir`: searched before megalm's
+    conf/ for presets, as train's --config-dir (an imported model's DIR/conf)."""
     # lazy: Hydra, the families' schemas and validation's imports, off `--help` and the argument errors
     from hydra import compose as hydra_compose, initialize_config_dir
     from omegaconf import OmegaConf
@@ -49,6 +50,12 @@ def compose(overrides: List[str], gpus: Optional[int] = None):
     from megalm.validation import reject_unknown_keys, validate
     from megalm.cli import raise_explained
     register_configs()
+    if config_dir is not None:
+        from pathlib import Path  # lazy: as the rest, off `--help`
+        where = Path(config_dir).expanduser().resolve()
+        if not where.is_dir():
+            raise ConfigError(f"--config-dir {config_dir} is not a directory")
+        overrides = [f"hydra.searchpath=[file://{where}]", *overrides]
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         try:
             dcfg = hydra_compose("config", overrides=list(overrides))
@@ -167,12 +174,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     ap.add_argument("--jobs", type=int, default=None,
                     help="processes --search runs in (default: this machine's CPU count)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    ap.add_argument("--config-dir", default=None,
+                    help="a folder of presets searched before megalm's conf/, as train's --config-dir (an imported "
+                         "model: --config-dir DIR/conf model=NAME; default none)")
     args = ap.parse_intermixed_args(argv)  # overrides before, between or after the flags
     with cli_errors(PROG):
         if args.search:
             if args.gpus is None:
                 raise ConfigError("--search needs --gpus N: the devices to lay the model out on")
-            cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None)
+            cfg, _ = compose(args.overrides + ["parallel.dp=-1"], gpus=None, config_dir=args.config_dir)
             jobs = args.jobs if args.jobs is not None else (os.cpu_count() or 1)
             if jobs < 1:
                 raise ConfigError(f"--jobs={jobs} must be at least 1")
@@ -182,6 +192,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         overrides = list(args.overrides)
         if args.gpus is not None and not any(o.lstrip("+~").startswith("parallel.dp=") for o in overrides):
             overrides.append("parallel.dp=-1")  # the presets name dp=1; --gpus fills it
-        cfg, world = compose(overrides, args.gpus)
+        cfg, world = compose(overrides, args.gpus, args.config_dir)
         result = plan(cfg, world)
         print(json.dumps(result, indent=1) if args.json else format_table(result))
