@@ -82,8 +82,9 @@ def _adjusted(logits: torch.Tensor, r: "Request") -> torch.Tensor:
         ids, bias = zip(*sp.logit_bias)
         out = out.index_add(1, torch.tensor(ids, device=out.device), torch.tensor([bias], device=out.device))
     if penalised:
-        counts = torch.bincount(torch.tensor(r.tokens, device=out.device), minlength=out.shape[-1])[None].float()
-        out = out - sp.frequency_penalty * counts - sp.presence_penalty * (counts > 0).float()
+        if r.counts is None:  # counted once; _take adds each new token
+            r.counts = torch.bincount(torch.tensor(r.tokens, device=out.device), minlength=out.shape[-1]).float()
+        out = out - sp.frequency_penalty * r.counts - sp.presence_penalty * (r.counts > 0).float()
     return out
 
 
@@ -101,6 +102,8 @@ class Request:
     slot: int = -1
     generator: Optional[torch.Generator] = None
     cancelled: bool = False
+    counts: Optional[torch.Tensor] = None
+    """(V,) how often each token was generated, kept once a penalty needs it."""
 
 
 class SlotKVCache:
@@ -347,6 +350,8 @@ class Engine:
         if sp.stop_at_eod and token == self.stop_token:
             return self._finish(r, "stop")
         r.tokens.append(token)
+        if r.counts is not None:
+            r.counts[token] += 1
         r.logprobs.append(logprob)
         if sp.top_logprobs:
             values, ids = logp[:self.tokens].topk(min(sp.top_logprobs, self.tokens))  # real tokens only
