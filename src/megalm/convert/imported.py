@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from megalm.config import ModelConfig, conf_dir
 from megalm.data.tokenizers.huggingface import HF_SIDECAR
+from megalm.models.registry import register_configs
 
 
 def copy_tokenizer(hf_dir: Path, out: Path) -> bool:
@@ -33,7 +34,6 @@ def copy_tokenizer(hf_dir: Path, out: Path) -> bool:
 def run_config_yaml(cfg: ModelConfig, header: str, out: Path, tokenizer: bool, chat_template: Optional[str]) -> str:
     """config.yaml of the default run (conf/config.yaml) with this model; checkpoint.dir is the dir itself."""
     from hydra import compose, initialize_config_dir  # lazy: Hydra's compose, off `--help`
-    from megalm.models.registry import register_configs
     register_configs()
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         run = compose("config")
