@@ -67,15 +67,17 @@ def check_gguf(path: Path) -> Dict[str, Any]:
     """Read the header and tensor table only: (architecture, the tensors' types) checked before any weight is
     dequantised. Returns transformers' config dict of the file (model_type and sizes)."""
     gguf = _gguf()
-    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint  # lazy: see _gguf
+    from transformers.modeling_gguf_pytorch_utils import (  # lazy: as _gguf
+        GGUF_SUPPORTED_ARCHITECTURES, load_gguf_checkpoint)
     try:
         reader = gguf.GGUFReader(str(path))
     except Exception as e:  # a truncated or foreign file: the reader's own ValueError / struct errors
         raise DataError(f"{path} is not a readable GGUF file: {e}") from None
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_SUPPORTED_ARCHITECTURES:
+        known = sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"})  # two entries are not models
         raise DataError(f"{path}: GGUF architecture {arch!r} has no Hugging Face mapping in transformers' GGUF reader "
-                        f"(it reads: {', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {'general', 'tokenizer'}))})")
+                        f"(it reads: {', '.join(known)})")
     readable = set(FLOAT_TYPES) | {t.name for t in gguf.quants._type_traits}  # what gguf's numpy code dequantises
     for t in reader.tensors:
         if t.tensor_type.name not in readable:
@@ -97,7 +99,6 @@ def gguf_to_hf(path: Path, hf_dir: Path) -> Optional[str]:
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
     hf_dir.mkdir(parents=True, exist_ok=True)
     config.quantization_config = None  # the folder holds dequantised fp32 weights
-    config.torch_dtype = "float32"
     hf = config.to_dict()
     hf.pop("quantization_config", None)
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=1) + "\n")
@@ -120,7 +121,8 @@ def simple_chat_template(jinja: Optional[str]) -> Optional[str]:
         both = user + [{"role": "assistant", "content": "<<A>>"}]
         base, with_user, with_both = (render(messages=m, add_generation_prompt=False) for m in (system, user, both))
     except Exception as e:  # a template that needs more than messages (tools, dates): keep megalm's
-        log.warning("the model's chat template could not be rendered (%s): data.chat_template keeps megalm's default", e)
+        log.warning("the model's chat template could not be rendered (%s): data.chat_template keeps megalm's default",
+                    e)
         return None
     if not (with_user.startswith(base) and with_both.startswith(with_user)):
         return None

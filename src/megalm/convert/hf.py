@@ -427,7 +427,8 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     optim = build_optimizer(opt_cfg, model)
     _fresh_optimizer_state(optim)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{cfg.name}: imported from Hugging Face {hf_class} ({origin or hf_dir.name}) by python -m megalm.convert.\n"
+    header = (f"{cfg.name}: imported from Hugging Face {hf_class} ({origin or hf_dir.name}) by "
+              "python -m megalm.convert.\n"
               f"Train from it: python -m megalm.train --config-dir DIR/conf model={cfg.name} checkpoint.load=DIR\n"
               "where DIR is the folder with the step_00000000 checkpoint.")
     tokenizer = copy_tokenizer(hf_dir, out)
