@@ -75,3 +75,16 @@ def test_replicas_take_contiguous_shares_and_all_get_every_result():
 
 def _shares_on_rank(rank, world):
     return _shares()
+
+
+def test_the_ranks_get_every_keyword_and_the_group_waits_as_long_as_asked():
+    """on_ranks hands its function every keyword but `wait_s`: the code task's `timeout_s` (--timeout, seconds a
+    program may run) once became the collectives' timeout, so a layout's stage slower than 10 s failed."""
+    from datetime import timedelta
+
+    from eval_layouts import keywords_and_group_timeout
+    from megalm.evaluate.layout import on_ranks
+    got, waits = on_ranks(2, "cpu", keywords_and_group_timeout, timeout_s=3.5, seed=7)
+    assert got == {"timeout_s": 3.5, "seed": 7} and waits == timedelta(minutes=30)  # torch's default
+    got, waits = on_ranks(2, "cpu", keywords_and_group_timeout, wait_s=120)
+    assert got == {} and waits == timedelta(seconds=120)

@@ -143,16 +143,16 @@ def load_at_layout(run_dir: Path, tp: int, pp: int, device: str = "cpu", dp: int
     return cfg, LayoutModel(module.eval(), layout, mesh), load_tokenizer(run_dir), state
 
 
-def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, timeout_s: Optional[float] = None,
+def on_ranks(world: int, on: str, fn: Callable[..., Any], *args: Any, wait_s: Optional[float] = None,
              **kwargs: Any) -> Any:
     """fn(*args, **kwargs) on `world` ranks joined in one process group (gloo, or NCCL when `on` is a
     CUDA device); rank 0's result. Under a launcher (RANK in the environment) this process is one of
-    the ranks and joins their group. `timeout_s`: how long a collective may wait (None: torch's
-    default; a server's ranks wait for requests as long as it runs)."""
+    the ranks and joins their group. `wait_s`: how long a collective may wait (None: torch's
+    default; a server's ranks wait for requests as long as it runs). Every other keyword is fn's."""
     if dist.is_initialized():
         return fn(*args, **kwargs)
     backend = "nccl" if torch.device(on).type == "cuda" else "gloo"
-    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+    timeout = {} if wait_s is None else {"timeout": timedelta(seconds=wait_s)}
     if "RANK" in os.environ:
         if int(os.environ["WORLD_SIZE"]) != world:
             raise ConfigError(f"the launcher started {os.environ['WORLD_SIZE']} ranks; the layout needs {world}")

@@ -155,7 +155,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 os.kill(child.pid, signum) for child in multiprocessing.active_children()])
             signal.signal(signal.SIGINT, lambda signum, frame: None)
         on_ranks(args.tp * args.pp, options["device"], serve, args.run_dir, args.host, args.port,
-                 timeout_s=RANK_WAIT_S, **options)
+                 wait_s=RANK_WAIT_S, **options)
 
 
 if __name__ == "__main__":
