@@ -7,8 +7,9 @@ directory. The reference is transformers reading the same GGUF on its own (its G
 - greedy generation of 64 tokens is the same on 5 prompts;
 - perplexity over real text is the same, at one process, tp3 and pp2 (megalm.evaluate; tp2 cannot split 3
   key/value groups);
-- the generate command and the server (through the openai client) answer a chat question through the model's own
-  chat template.
+- the generate command continues a prompt as transformers does (the model's own start tokens: none), and the
+  server (through the openai client) writes a chat with the model's own Jinja template and replies as transformers
+  does to the same chat.
 """
 
 import json
@@ -119,18 +120,28 @@ def test_perplexity_equals_transformers_at_one_process_tp3_and_pp2(imported, ref
         assert result["loss"] == pytest.approx(nll / count, rel=1e-4), layout
 
 
-def test_generate_command_answers_through_the_models_chat_template(imported, reference):
+def _hf_greedy(hf_model, ids, max_new_tokens):
+    """transformers' own greedy continuation of `ids` (it stops at the model's end token, as megalm does)."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([list(ids)]), max_new_tokens=max_new_tokens, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_generate_command_continues_a_prompt_as_transformers_does(imported, reference):
+    """A plain prompt is read as the model's own tokenizer reads it (SmolLM2's puts nothing in front, where a
+    megalm-trained model gets its end-of-document token), so the command's greedy text is transformers'."""
     from omegaconf import OmegaConf
-    hf_tok, _ = reference
+    hf_tok, hf_model = reference
     template = OmegaConf.load(imported / "config.yaml").data.chat_template
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
                 {"role": "assistant", "content": "Hello"}]
     ours = "".join(template.format(**m) for m in messages)
-    assert ours == hf_tok.apply_chat_template(messages, tokenize=False)  # the model's own Jinja template, rendered
-    prompt = template.format(role="user", content="What is the capital of France?") + "<|im_start|>assistant\n"
+    assert ours == hf_tok.apply_chat_template(messages, tokenize=False)  # data.chat_template: the model's pattern
+    prompt = PROMPTS[2]
+    theirs = _hf_greedy(hf_model, hf_tok(prompt)["input_ids"], 24)
     done = _cli("-m", "megalm.generate", str(imported), "--prompt", prompt, "--temperature", "0",
-                "--max-new-tokens", "20")
-    assert done.stdout.rstrip().endswith("The capital of France is Paris."), done.stdout
+                "--max-new-tokens", "24")
+    assert done.stdout.rstrip("\n") == prompt + hf_tok.decode(theirs, skip_special_tokens=True), done.stdout
 
 
 def _write_gguf(path, arch, qtype=None):
@@ -184,19 +195,29 @@ def test_a_source_that_is_neither_a_file_nor_a_distribution_is_named(tmp_path):
         done.stderr, done.stderr
 
 
-def test_serve_answers_an_openai_chat_client_through_the_models_chat_template(imported):
+def test_serve_answers_an_openai_chat_client_through_the_models_chat_template(imported, reference):
+    """The chat is written by the model's own Jinja template (SmolLM2's adds its default system message), so the
+    prompt is transformers' apply_chat_template's, token for token, and the greedy reply is transformers'."""
     import openai
     from server_process import start_server, stop_server
+    hf_tok, hf_model = reference
+    questions = ["What is the capital of France?", "Write a Python function square(x) that returns x squared."]
     proc, url = start_server(imported)
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
         model = client.models.list().data[0].id
-        reply = client.chat.completions.create(model=model, max_tokens=20, temperature=0,
-                                               messages=[{"role": "user", "content": "What is the capital of France?"}])
+        replies = [client.chat.completions.create(model=model, max_tokens=48, temperature=0,
+                                                  messages=[{"role": "user", "content": q}]) for q in questions]
     finally:
         assert stop_server(proc) == 0
-    assert reply.choices[0].message.content == "The capital of France is Paris."
-    assert reply.choices[0].finish_reason == "stop"  # the model's own end token (<|im_end|>) ended it
+    assert replies[0].choices[0].message.content == "The capital of France is Paris."
+    assert replies[0].choices[0].finish_reason == "stop"  # the model's own end token (<|im_end|>) ended it
+    for q, reply in zip(questions, replies):
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                         return_dict=True)["input_ids"]
+        assert reply.usage.prompt_tokens == len(ids), q
+        theirs = hf_tok.decode(_hf_greedy(hf_model, ids, 48), skip_special_tokens=True)
+        assert reply.choices[0].message.content == theirs, (q, reply.choices[0].message.content, theirs)
 
 
 def test_plan_lays_the_imported_model_out_from_its_config_dir(imported, ours):

@@ -210,14 +210,16 @@ def _generate(args: argparse.Namespace) -> None:
     cfg, model, tok, state = load_for_generation(args.run_dir, str(resolve_device(args.device, "--device")))
     if hasattr(model, "encode"):
         return _generate_seq2seq(args, cfg, model, tok, state)
-    # Training packs documents after an end-of-document token, so eod is the start-of-text marker.
-    prompt = [tok.eod] + tok.encode(args.prompt)
+    prompt = tok.prompt(args.prompt)  # after the end-of-document token (megalm's), or the model's own start
+    lead = len(prompt) - len(tok.encode(args.prompt))
+    lead_words = "the end-of-document token" if prompt[:lead] == [tok.eod] else \
+        f"{lead} start token{'s' if lead != 1 else ''}"
     room = check_prompt(prompt, tok.vocab_size, cfg.model.seq_length,
-                        what="--prompt", counted=" (with the end-of-document token put before it)")
+                        what="--prompt", counted=f" (with {lead_words} put before it)")
     print(f"# {cfg.model.name} from {args.run_dir} (step {state['step']})", file=sys.stderr)
     if args.max_new_tokens > room:  # the KV cache and positions end at the model's context
         print(f"# generating at most {room} token{'s' if room != 1 else ''}, not {args.max_new_tokens}: prompt "
-              f"{len(prompt)} (the end-of-document token + {len(prompt) - 1} of --prompt) + --max-new-tokens "
+              f"{len(prompt)} ({lead_words} + {len(prompt) - lead} of --prompt) + --max-new-tokens "
               f"{args.max_new_tokens} > model.seq_length={cfg.model.seq_length}", file=sys.stderr)
     for i in range(args.num_samples):
         if args.num_samples > 1:

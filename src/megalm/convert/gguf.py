@@ -86,9 +86,9 @@ def check_gguf(path: Path) -> Dict[str, Any]:
     return load_gguf_checkpoint(str(path), return_tensors=False)["config"]
 
 
-def gguf_to_hf(path: Path, hf_dir: Path) -> Optional[str]:
-    """Write `hf_dir` (config.json, model.safetensors in fp32, tokenizer files) for the GGUF at `path`; return the
-    model's chat template (Jinja, as the file has it) or None."""
+def gguf_to_hf(path: Path, hf_dir: Path) -> None:
+    """Write `hf_dir` (config.json, model.safetensors in fp32, tokenizer files with the chat template) for the GGUF
+    at `path`."""
     import torch  # lazy: with the reader's imports below, off `--help`
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -104,41 +104,7 @@ def gguf_to_hf(path: Path, hf_dir: Path) -> Optional[str]:
     (hf_dir / "config.json").write_text(json.dumps(hf, indent=1) + "\n")
     save_file({k: v.contiguous().float() for k, v in tensors.items()}, str(hf_dir / "model.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    tokenizer.save_pretrained(str(hf_dir))  # tokenizer.json, and tokenizer_config.json with the end token
-    return tokenizer.chat_template
-
-
-def simple_chat_template(jinja: Optional[str]) -> Optional[str]:
-    """data.chat_template (`{role}` / `{content}` text) that renders each message as the Jinja template does, found
-    by rendering it; None when the template is no such per-message pattern (megalm's default then applies)."""
-    if not jinja:
-        return None
-    try:
-        from jinja2 import Template  # lazy: transformers' own dependency, for this check only
-        render = Template(jinja).render
-        system = [{"role": "system", "content": "<<S>>"}]
-        user = system + [{"role": "user", "content": "<<U>>"}]
-        both = user + [{"role": "assistant", "content": "<<A>>"}]
-        base, with_user, with_both = (render(messages=m, add_generation_prompt=False) for m in (system, user, both))
-    except Exception as e:  # a template that needs more than messages (tools, dates): keep megalm's
-        log.warning("the model's chat template could not be rendered (%s): data.chat_template keeps megalm's default",
-                    e)
-        return None
-    if not (with_user.startswith(base) and with_both.startswith(with_user)):
-        return None
-    user_part, assistant_part = with_user[len(base):], with_both[len(with_user):]
-    patterns = _as_pattern(user_part, "user", "<<U>>"), _as_pattern(assistant_part, "assistant", "<<A>>")
-    if None in patterns or patterns[0] != patterns[1]:
-        log.warning("the model's chat template renders roles differently: data.chat_template keeps megalm's default")
-        return None
-    return patterns[0]
-
-
-def _as_pattern(rendered: str, role: str, content: str) -> Optional[str]:
-    if rendered.count(role) != 1 or rendered.count(content) != 1 or rendered.index(role) > rendered.index(content):
-        return None
-    escaped = rendered.replace("{", "{{").replace("}", "}}")
-    return escaped.replace(role, "{role}", 1).replace(content, "{content}", 1)
+    tokenizer.save_pretrained(str(hf_dir))  # tokenizer.json; the end token and chat template beside it
 
 
 def import_gguf(source: str | Path, out_dir: Path, *, name: Optional[str] = None, seq_length: Optional[int] = None,
@@ -158,6 +124,6 @@ def import_gguf(source: str | Path, out_dir: Path, *, name: Optional[str] = None
     check_out_dir(Path(out_dir).expanduser().resolve(), force, ("latest", "config.yaml"))
     with tempfile.TemporaryDirectory(prefix="megalm-gguf-") as tmp:
         log.info("dequantising %s to fp32 with the gguf package (transformers' GGUF reader)", path)
-        jinja = gguf_to_hf(path, Path(tmp))
+        gguf_to_hf(path, Path(tmp))
         return import_from_hf(Path(tmp), out_dir, name=name, seq_length=seq_length, optimizer=optimizer, force=force,
-                              chat_template=simple_chat_template(jinja), origin=path.name)
+                              origin=("gguf", path.name))

@@ -361,10 +361,10 @@ def _safe_name(text: str) -> str:
 @torch.no_grad()
 def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, seq_length: Optional[int] = None,
                    optimizer: str = "adamw", force: bool = False,
-                   chat_template: Optional[str] = None, origin: Optional[str] = None) -> Tuple[Path, ModelConfig]:
+                   origin: Optional[Tuple[str, str]] = None) -> Tuple[Path, ModelConfig]:
     """Write a megalm checkpoint dir (step_00000000 + latest, config.yaml, conf/model/NAME.yaml) for an HF folder: a
-    run directory too (megalm.convert.imported). `chat_template`: the run's data.chat_template (None: megalm's);
-    `origin`: what the files were read from, when not the folder (a GGUF's name)."""
+    run directory too (megalm.convert.imported). `origin`: (format, name) of what the folder was made from, when
+    not a Hugging Face folder itself (("gguf", the file's name))."""
     from megalm.training.checkpoint import Checkpointer  # lazy: torch's checkpoint library, ~1 s off `--help`
     hf_dir = Path(hf_dir).expanduser()
     if not hf_dir.is_dir():
@@ -427,16 +427,16 @@ def import_from_hf(hf_dir: Path, out_dir: Path, *, name: Optional[str] = None, s
     optim = build_optimizer(opt_cfg, model)
     _fresh_optimizer_state(optim)
     out.mkdir(parents=True, exist_ok=True)
-    header = (f"{cfg.name}: imported from Hugging Face {hf_class} ({origin or hf_dir.name}) by "
+    fmt, source = origin or ("huggingface", hf_dir.name)
+    header = (f"{cfg.name}: imported from {'GGUF' if fmt == 'gguf' else 'Hugging Face'} {hf_class} ({source}) by "
               "python -m megalm.convert.\n"
               f"Train from it: python -m megalm.train --config-dir DIR/conf model={cfg.name} checkpoint.load=DIR\n"
               "where DIR is the folder with the step_00000000 checkpoint.")
-    tokenizer = copy_tokenizer(hf_dir, out)
-    (out / "config.yaml").write_text(run_config_yaml(cfg, header, out, tokenizer, chat_template))
+    (out / "config.yaml").write_text(run_config_yaml(cfg, header, out, copy_tokenizer(hf_dir, out)))
     (out / "conf" / "model").mkdir(parents=True, exist_ok=True)
     (out / "conf" / "model" / f"{cfg.name}.yaml").write_text(model_yaml(cfg, header))
     state = {"consumed_samples": 0, "val_loss": None, "skipped_steps": 0,
-             "imported_from": {"format": "huggingface", "architecture": hf_class, "folder": origin or hf_dir.name,
+             "imported_from": {"format": fmt, "architecture": hf_class, "folder": source,
                                "optimizer": opt_cfg.name}}
     with torch.random.fork_rng(devices=[]):  # the saved RNG state is the same on every import
         torch.manual_seed(0)

@@ -70,9 +70,9 @@ def complete(model, tokenizer, prompt: str, *, max_new_tokens: int, stop: Sequen
             if cut:
                 return text[:min(cut)]
         return text
-    ids = [tokenizer.eod] + tokenizer.encode(prompt)
+    ids = tokenizer.prompt(prompt)
     if len(ids) >= seq_length:
-        raise DataError(f"{where}: the prompt is {len(ids)} tokens (end-of-document token included) and "
+        raise DataError(f"{where}: the prompt is {len(ids)} tokens (start token included) and "
                         f"model.seq_length={seq_length} leaves no room to generate")
     base = tokenizer.decode(ids)
     out: List[int] = []

@@ -73,7 +73,7 @@ class MegalmLM(LM):
 
     def _row(self, context: str, continuation: str) -> Tuple[List[int], int]:
         context, continuation = split_context(context, continuation)
-        ctx = [self.tokenizer.eod] + self.tokenizer.encode(context)
+        ctx = self.tokenizer.context + self.tokenizer.encode(context)
         cont = self.tokenizer.encode(continuation)
         if not cont:
             raise ConfigError(f"the continuation {continuation!r} has no tokens to score")
@@ -90,7 +90,7 @@ class MegalmLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> List[float]:
         out = []
         for r in requests:
-            ids = [self.tokenizer.eod] + self.tokenizer.encode(r.args[0])
+            ids = self.tokenizer.context + self.tokenizer.encode(r.args[0])
             if len(ids) < 2:
                 out.append(0.0)
                 continue

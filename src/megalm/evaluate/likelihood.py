@@ -70,7 +70,7 @@ def windows(n: int, seq_length: int, stride: int) -> List[Tuple[int, int, int]]:
 
 
 def perplexity(scorer: Scorer, tokenizer, text: str, stride: int) -> Dict[str, Any]:
-    ids = [tokenizer.eod] + tokenizer.encode(text)
+    ids = tokenizer.context + tokenizer.encode(text)
     if len(ids) < 2:
         raise DataError("the text has no tokens to score")
     spans = windows(len(ids), scorer.seq_length, stride)
@@ -105,7 +105,7 @@ def fits(ids: List[int], seq_length: int, where: str) -> List[int]:
 
 
 def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> List[Tuple[List[int], int]]:
-    """One scoring row per LAMBADA line: [eod] + context + target, and where the target starts."""
+    """One scoring row per LAMBADA line: tokenizer.context + context + target, and where the target starts."""
     rows = []
     for where, rec in read_jsonl(path, ["text"]):
         text = rec["text"]
@@ -118,7 +118,8 @@ def cloze_rows(tokenizer, path: Path, seq_length: int, strict: bool = True) -> L
         else:
             tokens = tokenizer.encode(text)
             context, target = tokens[:-1], tokens[-1:]
-        rows.append((fits([tokenizer.eod] + context + target, seq_length, where), 1 + len(context)))
+        context = tokenizer.context + context
+        rows.append((fits(context + target, seq_length, where), len(context)))
     return rows
 
 
@@ -138,7 +139,7 @@ def split_context(context: str, continuation: str) -> Tuple[str, str]:
 
 
 def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tuple[List[str], int]]]:
-    """Scoring rows of every choice of every line ([eod] + context + choice, split as `split_context` splits them:
+    """Scoring rows of every choice of every line (tokenizer.context + context + choice, split as `split_context` splits them:
     the harness's convention), and each line's (choices, label); its rows are consecutive."""
     rows, examples = [], []
     for where, rec in read_jsonl(path, ["context", "choices", "label"]):
@@ -150,7 +151,7 @@ def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tupl
                             f"(0..{len(options) - 1})")
         for c in options:
             before, after = split_context(str(rec["context"]), c)
-            context, target = [tokenizer.eod] + tokenizer.encode(before), tokenizer.encode(after)
+            context, target = tokenizer.context + tokenizer.encode(before), tokenizer.encode(after)
             if not target:
                 raise DataError(f"{where}: the choice {c!r} has no tokens")
             rows.append((fits(context + target, seq_length, where), len(context)))

@@ -2,17 +2,18 @@
 
 - `PUT /api`: Megatron-LM's text-generation server's request and response. Fields: prompts (a
   list of strings), tokens_to_generate (64), temperature (1.0, in (0, 100]), top_k (0), top_p
-  (0.0; not together with top_k), logprobs (false), add_BOS (false: prepend the end-of-document
-  token), stop_on_eol, stop_on_double_eol (false), random_seed (-1: none). The answer holds
+  (0.0; not together with top_k), logprobs (false), add_BOS (false: prepend the start token: the
+  end-of-document token, or an imported model's own), stop_on_eol, stop_on_double_eol (false), random_seed (-1: none). The answer holds
   `text` (each prompt followed by its generation), `segments` (their tokens as text) and, with
   logprobs, `logprobs` (of every token after the first). tokens_to_generate=0 scores the prompts.
 - `POST /v1/completions` and `POST /v1/chat/completions`: OpenAI's (prompt or messages, max_tokens,
   temperature, top_p, n, stream, stream_options.include_usage, stop, logprobs, echo, seed, user,
   presence_penalty, frequency_penalty, logit_bias; completions also best_of); `stream: true` sends
   server-sent events, with include_usage a last chunk holding the usage. A text prompt is read as a
-  document, after the end-of-document token, as training saw it; token-id prompts (a list of ids, or
-  a list of such lists) as given; chat messages are written with the run's data.chat_template and the
-  reply is generated after the assistant's part of it.
+  document, after the end-of-document token, as training saw it (an imported model: after its own
+  start tokens, none for many); token-id prompts (a list of ids, or a list of such lists) as given;
+  chat messages are written with the model's own Jinja chat template where it has one, else the run's
+  data.chat_template, and the reply is generated after the assistant's opening (megalm.serve.chat).
 - `GET /v1/models`, `GET /health` (the engine's load), and `GET /`: a playground page (a prompt,
   sampling settings, the completion streamed in as it comes).
 
@@ -39,6 +40,7 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 
 from megalm.data.tasks.sft import template_parts
 from megalm.errors import ConfigError
+from megalm.serve.chat import chat_prompt
 from megalm.serve.engine import Engine, QueueFull, Request, Sampling, Seq2SeqEngine
 
 try:
@@ -49,7 +51,7 @@ try:
 except ImportError as e:  # the optional extra
     raise ConfigError(f"megalm.serve needs FastAPI and uvicorn ({e}): pip install 'megalm[serve]'") from None
 
-from megalm.serve.schemas import (BadRequest, ChatRequest, CompletionRequest, MegatronRequest, Message,
+from megalm.serve.schemas import (BadRequest, ChatRequest, CompletionRequest, MegatronRequest,
                                   _check_stream_options, _delta, _sse, _stops, _usage)
 
 
@@ -72,10 +74,10 @@ class Server:
 
     # -- running requests ------------------------------------------------------------------------
     def _prompt_ids(self, text: str, field: str) -> List[int]:
-        """A decoder model reads a prompt as a document, after the end-of-document token; an
-        encoder-decoder model reads it as its source, as fine-tuning did."""
+        """A decoder model reads a prompt as a document, after the end-of-document token (an imported model: its
+        own start tokens); an encoder-decoder model reads it as its source, as fine-tuning did."""
         if not self.seq2seq:
-            return [self.tok.eod] + self.tok.encode(text)
+            return self.tok.prompt(text)
         ids = self.tok.encode(text)
         if not ids:
             raise BadRequest(f"{field}: the source is empty; the encoder needs at least one token", field)
@@ -155,7 +157,7 @@ class Server:
             if self.seq2seq:
                 prompt = self._prompt_ids(text, "prompts")
             else:
-                prompt = ([self.tok.eod] if body.add_BOS else []) + self.tok.encode(text)
+                prompt = (self.tok.context if body.add_BOS else []) + self.tok.encode(text)
             if not prompt:
                 raise BadRequest(f"prompts[{i}] is empty: give text, or add_BOS=true to start from the "
                                  "end-of-document token", "prompts")
@@ -312,20 +314,12 @@ class Server:
             for req, _ in started:
                 self.engine.cancel(req)
 
-    def _chat_prompt(self, messages: List[Message]) -> List[int]:
-        text = ""
-        for m in messages:
-            before, after = template_parts(self.chat_template, m.role)
-            text += before + m.content + after
-        before, _ = template_parts(self.chat_template, "assistant")
-        return [self.tok.eod] + self.tok.encode(text + before)
-
     async def chat(self, body: ChatRequest, usage: Optional[Dict[str, int]] = None):
         self._refuse_for_seq2seq("chat continues a conversation written with the run's chat template", "messages")
         _check_stream_options(body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise BadRequest("give max_tokens or max_completion_tokens, not both", "max_tokens")
-        prompt = self._chat_prompt(body.messages)
+        prompt = chat_prompt(self.tok, self.chat_template, body.messages)
         asked = body.max_completion_tokens or body.max_tokens
         max_tokens = asked if asked is not None else max(1, min(256, self.seq_length - len(prompt)))
         self._check_room(prompt, max_tokens, "max_tokens" if body.max_completion_tokens is None

@@ -10,7 +10,10 @@ An example becomes one sample of seq_length + 1 tokens, as training sees a docum
   [eod] prompt response [eod]             (loss on the response and the final eod)
   [eod] m1 m2 ... [eod]                   each message rendered by data.chat_template, split at
                                           {content}: the loss is on the content and the rest of the
-                                          template of every assistant message, and the final eod
+                                          template of every assistant message, and the final eod (a
+                                          tokenizer with its own Jinja chat template, an imported
+                                          model's, writes the chat instead, cut the same way)
+(an imported model's own start tokens, tokenizer.start, in place of the first eod: none for SmolLM2)
 then padded (with eod, no loss); with data.packing, whole examples are packed in file order into
 each sequence instead, positions restarting and attention kept inside each example, so every
 token is predicted from exactly what it would see alone. Pieces are tokenized one by one, so the boundary between what
@@ -49,8 +52,9 @@ def template_parts(template: str, role: str) -> Tuple[str, str]:
             from None
 
 
-def example_pieces(record, template: str, where: str) -> List[Tuple[str, bool]]:
-    """(text, learned) pieces of one JSON record, in order."""
+def example_pieces(record, template: str, where: str, tokenizer=None) -> List[Tuple[str, bool]]:
+    """(text, learned) pieces of one JSON record, in order; a chat through `tokenizer`'s own Jinja chat template
+    when it has one (an imported model's), else through data.chat_template."""
     if not isinstance(record, dict):
         raise DataError(f"{where}: an example is a JSON object, got {type(record).__name__}")
     if "messages" in record:
@@ -66,11 +70,14 @@ def example_pieces(record, template: str, where: str) -> List[Tuple[str, bool]]:
             if not isinstance(m, dict) or not isinstance(m.get("content"), str) or m.get("role") not in ROLES:
                 raise DataError(f"{where}: message {k} must be {{\"role\": one of {', '.join(ROLES)}, "
                                 f"\"content\": a string}}, got {json.dumps(m)[:80]}")
+        if not any(m["role"] == ASSISTANT for m in messages):
+            raise DataError(f"{where}: the chat has no assistant message to learn from")
+        if getattr(tokenizer, "chat_template", None):
+            return _jinja_pieces(messages, tokenizer, where)
+        for m in messages:
             before, after = template_parts(template, m["role"])
             learned = m["role"] == ASSISTANT
             pieces += [(before, False), (m["content"] + after, learned)]
-        if not any(learned for _, learned in pieces):
-            raise DataError(f"{where}: the chat has no assistant message to learn from")
         return pieces
     missing = [k for k in ("prompt", "response") if not isinstance(record.get(k), str)]
     if missing:
@@ -81,10 +88,32 @@ def example_pieces(record, template: str, where: str) -> List[Tuple[str, bool]]:
     return [(record["prompt"], False), (record["response"], True)]
 
 
-def encode_example(pieces: Sequence[Tuple[str, bool]], tokenizer, seq_length: int,
-                   where: str) -> Tuple[np.ndarray, np.ndarray]:
-    """(ids, learned) of seq_length + 1 tokens: [eod] pieces [eod], padded with eod (learned 0)."""
-    ids, learned = [tokenizer.eod], [False]
+def _jinja_pieces(messages: List[dict], tokenizer, where: str) -> List[Tuple[str, bool]]:
+    """A chat as the model's Jinja template writes it, cut where each message's text begins: what rendering the
+    chat up to a message adds is that message; an assistant's is cut again where the template's opening for it
+    (add_generation_prompt) ends, the rest learned, as in serving the reply follows that opening."""
+    pieces: List[Tuple[str, bool]] = []
+    done = ""
+    for k, m in enumerate(messages):
+        cuts = [(tokenizer.apply_chat_template(messages[:k + 1], False), m["role"] == ASSISTANT)]
+        if m["role"] == ASSISTANT:
+            cuts.insert(0, (tokenizer.apply_chat_template(messages[:k], True), False))
+        for text, learned in cuts:
+            if not text.startswith(done):
+                raise DataError(f"{where}: the model's chat template does not write message {k} after the messages "
+                                "before it, so the chat cannot be cut into what is given and what is learned")
+            pieces.append((text[len(done):], learned))
+            done = text
+    return pieces
+
+
+def encode_example(pieces: Sequence[Tuple[str, bool]], tokenizer, seq_length: int, where: str,
+                   start: Optional[List[int]] = None) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids, learned) of seq_length + 1 tokens: [eod] pieces [eod], padded with eod (learned 0); an imported
+    model's own start tokens (tokenizer.start) in place of the first eod, or `start` where given (nothing: a chat
+    its Jinja template wrote whole)."""
+    ids = list(tokenizer.start if start is None else start)
+    learned = [False] * len(ids)
     for text, learn in pieces:
         piece = tokenizer.encode(text) if text else []
         ids += piece
@@ -130,7 +159,9 @@ def read_examples(paths: Sequence[str], tokenizer, seq_length: int, template: st
     for where, record in sft_records(paths, pair_suffixes, as_chat=True):
         if pair_suffixes and not record["messages"][1]["content"]:
             raise DataError(f"{where}: the target is empty: nothing to learn")
-        examples.append(encode_example(example_pieces(record, template, where), tokenizer, seq_length, where))
+        own = bool(tokenizer.chat_template) and isinstance(record, dict) and "messages" in record
+        examples.append(encode_example(example_pieces(record, template, where, tokenizer), tokenizer, seq_length,
+                                       where, [] if own else None))  # the template writes its own start
     if not examples:
         raise DataError(f"data.paths {list(paths)} hold no examples")
     return examples

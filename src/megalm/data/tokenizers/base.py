@@ -51,6 +51,24 @@ class Tokenizer(ABC):
     """Names this exact vocabulary, for cache keys of tokenized data and the records of what made a corpus."""
     origin: Optional[str] = None
     """The file it was read from, for messages; None when built in memory."""
+    chat_template: Optional[str] = None
+    """The model's own Jinja chat template (an imported model's); None: chats use data.chat_template."""
+
+    @property
+    def start(self) -> List[int]:
+        """What a document or prompt starts with: the end-of-document token, as megalm's pretraining packs each
+        document after one; an imported model's own start tokens instead (Llama's <s>, none for SmolLM2)."""
+        return [self.eod]
+
+    @property
+    def context(self) -> List[int]:
+        """`start`, or the end-of-document token where that is empty: scoring a text's first token needs one
+        token before it (lm-evaluation-harness prefixes the end-of-text token where a model has no BOS)."""
+        return self.start or [self.eod]
+
+    def prompt(self, text: str) -> List[int]:
+        """`text` as a decoder model reads a prompt: after `start`; at least one token (`context` when empty)."""
+        return (self.start + self.encode(text)) or self.context
 
     @abstractmethod
     def encode(self, text: str) -> List[int]: ...

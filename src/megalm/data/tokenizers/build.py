@@ -12,7 +12,7 @@ from typing import Optional, Union
 
 from megalm.data.corpora.stdlib import StdlibCorpus
 from megalm.data.tokenizers.base import NullTokenizer, Tokenizer
-from megalm.data.tokenizers.huggingface import HF_SIDECAR, HuggingFaceTokenizer
+from megalm.data.tokenizers.huggingface import HuggingFaceTokenizer
 from megalm.data.tokenizers.sentencepiece import SentencePieceTokenizer
 from megalm.errors import DataError, MissingFileError
 
@@ -35,9 +35,7 @@ def load_tokenizer(directory: Union[str, os.PathLike]) -> Tokenizer:
     if kind == "null":
         return NullTokenizer(int(meta["vocab_size"]))
     if isinstance(meta, dict) and isinstance(meta.get("model"), dict):  # a Hugging Face tokenizer.json
-        side = directory / HF_SIDECAR
-        extra = json.loads(side.read_text()) if side.is_file() else {}
-        return HuggingFaceTokenizer(meta_path, extra.get("eod_token"), extra.get("add_special_tokens", False))
+        return HuggingFaceTokenizer(meta_path)  # its megalm_tokenizer.json beside it, when there is one
     raise DataError(f"{meta_path}: unknown tokenizer type {kind!r} (sentencepiece | null, or a Hugging "
                     "Face tokenizer.json)")
 
