@@ -86,14 +86,14 @@ def check_gguf(path: Path) -> Dict[str, Any]:
     return load_gguf_checkpoint(str(path), return_tensors=False)["config"]
 
 
-def gguf_to_hf(path: Path, hf_dir: Path) -> None:
+def gguf_to_hf(path: Path, hf_dir: Path, hf_config: Dict[str, Any]) -> None:
     """Write `hf_dir` (config.json, model.safetensors in fp32, tokenizer files with the chat template) for the GGUF
-    at `path`."""
+    at `path`, whose transformers config dict check_gguf gave (the header is not read again for it)."""
     import torch  # lazy: with the reader's imports below, off `--help`
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+    config = AutoConfig.for_model(**hf_config)  # what from_pretrained(gguf_file=) builds from the same dict
     with torch.device("meta"):  # names and shapes for the reader's mapping; no memory
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -124,6 +124,6 @@ def import_gguf(source: str | Path, out_dir: Path, *, name: Optional[str] = None
     check_out_dir(Path(out_dir).expanduser().resolve(), force, ("latest", "config.yaml"))
     with tempfile.TemporaryDirectory(prefix="megalm-gguf-") as tmp:
         log.info("dequantising %s to fp32 with the gguf package (transformers' GGUF reader)", path)
-        gguf_to_hf(path, Path(tmp))
+        gguf_to_hf(path, Path(tmp), hf)
         return import_from_hf(Path(tmp), out_dir, name=name, seq_length=seq_length, optimizer=optimizer, force=force,
                               origin=("gguf", path.name))
