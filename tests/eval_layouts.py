@@ -27,7 +27,6 @@ def evaluate_at_layouts(jobs):
     return out
 
 
-
 def keywords_and_group_timeout(**kwargs):
     """On a rank: the keywords it was called with, and how long its process group's collectives wait."""
     import torch

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,18 @@ def test_cli_table_and_json(capsys):
         main(["model=gpt_tiny", "parallel.tp=3"])
     err = capsys.readouterr().err
     assert bad.value.code != 0 and "megalm.plan" in err and "tp" in err
+
+
+def test_cli_config_dir_takes_any_path(tmp_path, capsys):
+    """--config-dir as train's: presets there are found, whatever characters the folder's path holds."""
+    from megalm.config import conf_dir
+    from megalm.plan import main
+    odd = tmp_path / "runs, [a]'s = b" / "model"
+    odd.mkdir(parents=True)
+    text = (Path(conf_dir()) / "model" / "gpt_tiny.yaml").read_text()
+    (odd / "mine.yaml").write_text(text.replace("name: gpt_tiny", "name: mine"))
+    main(["--config-dir", str(odd.parent), "model=mine", "data=mock", "--json"])
+    assert json.loads(capsys.readouterr().out)["positions"]
 
 
 @pytest.mark.parametrize("override,expected", [

@@ -55,7 +55,8 @@ def compose(overrides: List[str], gpus: Optional[int] = None, config_dir: Option
         where = Path(config_dir).expanduser().resolve()
         if not where.is_dir():
             raise ConfigError(f"--config-dir {config_dir} is not a directory")
-        overrides = [f"hydra.searchpath=[file://{where}]", *overrides]
+        quoted = str(where).replace("\\", "\\\\").replace("'", "\\'")  # a comma or bracket in the path stays text
+        overrides = [f"hydra.searchpath=['file://{quoted}']", *overrides]
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         try:
             dcfg = hydra_compose("config", overrides=list(overrides))
