@@ -353,6 +353,18 @@ def test_bench_serve_runs_and_every_system_generates_the_same_tokens(run, tmp_pa
     assert len({row["tokens"] for row in rows}) == 1 and rows[0]["tokens"] > 0
 
 
+def test_bench_pretrained_runs_both_models_on_the_same_run(run, tmp_path):
+    """scripts/bench_pretrained.py end to end on the trained test run (a smoke test, never a timing test)."""
+    script = Path(__file__).resolve().parents[1] / "scripts" / "bench_pretrained.py"
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, str(script), str(run[0]), "--rounds", "2", "--seq", "16", "--new-tokens", "4",
+                        "--micro-batch", "1", "--threads", "1", "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    result = json.loads(out.read_text())
+    assert all(result[what][k] > 0 for what in ("train", "generate") for k in ("megalm", "transformers", "ratio"))
+
+
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]], ids=["tp2", "pp2"])
 def test_a_layout_serves_what_one_process_does(run, alone, layout):
     """Two ranks started by the server itself: rank 0 takes the requests, the other runs its forwards;
