@@ -9,7 +9,9 @@ directory. The reference is transformers reading the same GGUF on its own (its G
   key/value groups);
 - the generate command continues a prompt as transformers does (the model's own start tokens: none), and the
   server (through the openai client) writes a chat with the model's own Jinja template and replies as transformers
-  does to the same chat.
+  does to the same chat;
+- fine-tuning from the import (train checkpoint.load=DIR checkpoint.finetune=true) writes chats as transformers'
+  apply_chat_template does, keeps the model's tokenizer conventions in the run, and lowers the held-out loss.
 """
 
 import json
@@ -231,3 +233,37 @@ def test_plan_lays_the_imported_model_out_from_its_config_dir(imported, ours):
                 "--json")
     positions = json.loads(done.stdout)["positions"]
     assert positions and all(p["params"] == (total - norms) // 3 + norms for p in positions)
+
+
+def test_fine_tuning_from_the_import_writes_chats_with_the_models_template_and_learns(imported, reference, tmp_path):
+    """train checkpoint.load=IMPORT checkpoint.finetune=true, as the import's header says: the chats are the
+    model's own template (transformers' apply_chat_template, then its end token), the run keeps the model's end
+    token, start tokens and template for generate / serve, and three steps lower the held-out loss."""
+    from omegaconf import OmegaConf
+
+    from megalm.data import build_tokenizer, load_tokenizer
+    from megalm.data.tasks.sft import read_examples
+    hf_tok, _ = reference
+    chats = [[{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]
+             for i in range(8)]
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    cfg = OmegaConf.load(imported / "config.yaml")
+    tok = build_tokenizer(cfg.data.tokenizer)  # what train builds from the import's data.tokenizer
+    (ids, learned), *_ = read_examples([str(data)], tok, 64, cfg.data.chat_template)
+    theirs = list(hf_tok.apply_chat_template(chats[0], tokenize=True, return_dict=True)["input_ids"])
+    assert ids.tolist()[:len(theirs) + 1] == theirs + [hf_tok.convert_tokens_to_ids("<|im_end|>")]
+    opening = len(hf_tok.apply_chat_template(chats[0][:1], add_generation_prompt=True, tokenize=True,
+                                             return_dict=True)["input_ids"])
+    assert learned.tolist().index(True) == opening  # the loss starts at the reply
+    run = tmp_path / "run"
+    _cli("-m", "megalm.train", "--config-dir", str(imported / "conf"), f"model={cfg.model.name}",
+         "model.seq_length=64", f"checkpoint.load={imported}", "checkpoint.finetune=true", "data=sft",
+         f"data.paths=[{data}]", 'data.split="75,25,0"', "data.tokenizer.type=huggingface",
+         f"data.tokenizer.model={imported / 'tokenizer.json'}", "trainer.max_steps=3", "trainer.global_batch_size=2",
+         "trainer.micro_batch_size=2", "trainer.eval_interval=3", "trainer.eval_steps=1", f"hydra.run.dir={run}")
+    losses = [json.loads(line)["val_loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+              if "val_loss" in json.loads(line)]
+    assert len(losses) == 2 and losses[1] < losses[0], losses
+    kept = load_tokenizer(run)
+    assert (kept.eod_token, kept.start, kept.chat_template) == ("<|im_end|>", [], hf_tok.chat_template)
