@@ -210,8 +210,16 @@ def test_serve_answers_an_openai_chat_client_through_the_models_chat_template(im
         model = client.models.list().data[0].id
         replies = [client.chat.completions.create(model=model, max_tokens=48, temperature=0,
                                                   messages=[{"role": "user", "content": q}]) for q in questions]
+        echoed = client.completions.create(model=model, prompt=PROMPTS[2], max_tokens=1, temperature=0, echo=True,
+                                           logprobs=0).choices[0].logprobs
     finally:
         assert stop_server(proc) == 0
+    ids = hf_tok(PROMPTS[2])["input_ids"]  # nothing in front: the echo is the prompt's own tokens, the first unscored
+    with torch.no_grad():
+        logp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), -1)
+    assert echoed.tokens[:len(ids)] == [hf_tok.decode([t]) for t in ids] and echoed.token_logprobs[0] is None
+    assert echoed.token_logprobs[1:len(ids)] == pytest.approx([logp[i - 1, t].item() for i, t in enumerate(ids)
+                                                               if i], abs=1e-4)
     assert replies[0].choices[0].message.content == "The capital of France is Paris."
     assert replies[0].choices[0].finish_reason == "stop"  # the model's own end token (<|im_end|>) ended it
     for q, reply in zip(questions, replies):

@@ -203,8 +203,8 @@ class Server:
         return tuple(out)
 
     def _prompts(self, prompt) -> List[tuple]:
-        """(text, ids, starts with the end-of-document token) of each prompt: a text is encoded as a document, token ids
-        are taken as given (each in the tokenizer's vocabulary)."""
+        """(text, ids, how many tokens the server put before the text) of each prompt: a text is encoded as a
+        document (after the start token), token ids are taken as given (each in the tokenizer's vocabulary)."""
         if isinstance(prompt, str) or (prompt and all(isinstance(x, int) for x in prompt)):
             prompt = [prompt]
         if not prompt:
@@ -212,12 +212,13 @@ class Server:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self._prompt_ids(p, "prompt"), not self.seq2seq))
+                ids = self._prompt_ids(p, "prompt")
+                out.append((p, ids, 0 if self.seq2seq else len(ids) - len(self.tok.encode(p))))
                 continue
             if not p or not all(0 <= t < self.tok.vocab_size for t in p):
                 raise BadRequest(f"prompt: token ids must be a non-empty list of ids in [0, {self.tok.vocab_size}) "
                                  f"(got {p[:8]!r}{'...' if len(p) > 8 else ''})", "prompt")
-            out.append((self.tok.decode(p), list(p), False))
+            out.append((self.tok.decode(p), list(p), 0))
         return out
 
     async def completions(self, body: CompletionRequest, usage: Optional[Dict[str, int]] = None):
@@ -233,7 +234,7 @@ class Server:
         _check_stream_options(body)
         for _, ids, _ in prompts:
             self._check_room(ids, body.max_tokens, "max_tokens")
-        jobs = [(i, j, text, ids, eod) for i, (text, ids, eod) in enumerate(prompts) for j in range(best)]
+        jobs = [(i, j, text, ids, lead) for i, (text, ids, lead) in enumerate(prompts) for j in range(best)]
         started = self._start_all((ids, self._sampling(body, body.max_tokens, stops, j,
                                                        body.echo and body.logprobs is not None, body.logprobs or 0))
                                   for _, j, _, ids, _ in jobs)
@@ -254,11 +255,11 @@ class Server:
             mine.sort(key=lambda k: -sum(started[k][0].logprobs) / max(1, len(started[k][0].logprobs))
                       if best > body.n else 0)
             for rank, k in enumerate(mine[:body.n]):
-                (_, _, text, _, eod), (req, _) = jobs[k], started[k]
+                (_, _, text, _, lead), (req, _) = jobs[k], started[k]
                 choice = {"text": (text if body.echo else "") + req.text, "index": i * body.n + rank, "logprobs": None,
                           "finish_reason": reasons[k]}
                 if body.logprobs is not None:
-                    choice["logprobs"] = self._openai_logprobs(req, text if body.echo else None, eod)
+                    choice["logprobs"] = self._openai_logprobs(req, text if body.echo else None, lead)
                 choices.append(choice)
         counts = _usage(prompt_tokens * best, completion_tokens)
         if usage is not None:
@@ -266,15 +267,16 @@ class Server:
         return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model,
                 "choices": choices, "usage": counts}
 
-    def _openai_logprobs(self, req: Request, echoed: Optional[str], eod: bool = True) -> Dict[str, Any]:
+    def _openai_logprobs(self, req: Request, echoed: Optional[str], lead: int = 1) -> Dict[str, Any]:
         """The legacy completions logprobs object: each token, its log-probability, its offset in the text, and
         (logprobs=n > 0) each generated token's step's n most likely tokens, {text: log-probability} (an echoed
         prompt's tokens get None there: the server does not rank what it did not sample)."""
-        # an echoed prompt: its tokens after the end-of-document token the server put first, or all of given ids
-        # (the first of them has no log-probability: None, as OpenAI's)
-        shown = (req.prompt[1:] if eod else req.prompt) if echoed is not None else []
+        # an echoed prompt: its tokens after the `lead` start tokens the server put first (all of given ids); a first
+        # token with nothing before it has no log-probability: None, as OpenAI's
+        shown = req.prompt[lead:] if echoed is not None else []
         tokens = [self.tok.decode([t]) for t in shown] + [self.tok.decode([t]) for t in req.tokens]
-        shown_values = ([] if eod else [None]) + list(req.prompt_logprobs) if echoed is not None else []
+        shown_values = ([] if lead else [None]) + list(req.prompt_logprobs)[max(lead - 1, 0):] \
+            if echoed is not None else []
         values = shown_values + list(req.logprobs)
         offsets, at = [], 0
         for t in tokens:
