@@ -1,6 +1,7 @@
 """`python -m megalm.evaluate RUN_DIR TASK --data FILE`: score a trained decoder run.
 
-Tasks (each text is scored as a document: after the end-of-document token, as training saw it):
+Tasks (each text is scored as a document: after the end-of-document token, as training saw it; an imported
+model's after its own start token, or the end-of-document token where it has none: tokenizer.context):
 
 - perplexity: a text file, in windows of model.seq_length tokens. Window k starts at k * --stride;
   each target token is scored once, by the first window that reaches it, so every token after the

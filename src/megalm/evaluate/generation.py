@@ -51,7 +51,7 @@ def humaneval_path() -> Path:
 
 def complete(model, tokenizer, prompt: str, *, max_new_tokens: int, stop: Sequence[str], seq_length: int,
              vocab_size: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, where: str = "") -> str:
-    """The text generated after `prompt` (as a document: after the end-of-document token), cut
+    """The text generated after `prompt` (as a document: tokenizer.prompt, after the start token), cut
     before the first stop string; greedy at temperature 0. An encoder-decoder model reads the prompt
     as its source and writes its output from BOS to EOS."""
     if hasattr(model, "encode"):

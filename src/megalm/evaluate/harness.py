@@ -7,7 +7,8 @@ this module is imported (it registers the name). Needs the `megalm[harness]` ext
 harness fetches its tasks' data sets itself, so offline runs use tasks over local files
 (`--include-path`; when that folder holds every task asked for, the harness's own task index is not built).
 
-Every text is read as a document (after the end-of-document token), as training saw it and as
+Every text is read as a document (after tokenizer.context: the end-of-document token, or an imported model's
+own start token), as training saw it and as
 megalm.evaluate scores it: loglikelihood gives the log-probability of the continuation after the
 context (trailing spaces of the context move to the continuation, as the harness's own models
 do; a context too long for the model loses its oldest tokens), loglikelihood_rolling the summed
