@@ -127,3 +127,22 @@ def test_fine_tuning_chats_are_written_by_the_models_own_template(imported):
     taught = [i for i, on in enumerate(learned.tolist()) if on]
     first, second = len(theirs(messages[:1], True)), len(theirs(messages[:3], True))
     assert taught == list(range(first, len(theirs(messages[:2], False)))) + list(range(second, len(whole) + 1))
+
+
+def test_a_chat_the_models_template_refuses_names_its_line(imported, tmp_path):
+    from megalm.data.tasks.sft import read_examples
+    from megalm.data.tokenizers.huggingface import HF_SIDECAR
+    from megalm.errors import DataError
+    out, _ = imported
+    run = tmp_path / "tok"
+    run.mkdir()
+    (run / "tokenizer.json").write_bytes((out / "tokenizer.json").read_bytes())
+    side = json.loads((out / HF_SIDECAR).read_text())
+    side["chat_template"] = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('a chat starts with a user') }}" \
+        "{% endif %}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (run / HF_SIDECAR).write_text(json.dumps(side))
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(DataError, match=r"chats.jsonl:1: the model's chat template refused the chat: a chat starts "
+                                        r"with a user"):
+        read_examples([str(data)], load_tokenizer(run), 16, "{role}: {content}\n")

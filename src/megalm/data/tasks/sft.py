@@ -95,9 +95,12 @@ def _jinja_pieces(messages: List[dict], tokenizer, where: str) -> List[Tuple[str
     pieces: List[Tuple[str, bool]] = []
     done = ""
     for k, m in enumerate(messages):
-        cuts = [(tokenizer.apply_chat_template(messages[:k + 1], False), m["role"] == ASSISTANT)]
-        if m["role"] == ASSISTANT:
-            cuts.insert(0, (tokenizer.apply_chat_template(messages[:k], True), False))
+        try:
+            cuts = [(tokenizer.apply_chat_template(messages[:k + 1], False), m["role"] == ASSISTANT)]
+            if m["role"] == ASSISTANT:
+                cuts.insert(0, (tokenizer.apply_chat_template(messages[:k], True), False))
+        except DataError as e:  # the template's own refusal, or one it cannot render
+            raise DataError(f"{where}: {e}") from None
         for text, learned in cuts:
             if not text.startswith(done):
                 raise DataError(f"{where}: the model's chat template does not write message {k} after the messages "
