@@ -139,8 +139,8 @@ def split_context(context: str, continuation: str) -> Tuple[str, str]:
 
 
 def choice_rows(tokenizer, path: Path, seq_length: int) -> Tuple[Rows, List[Tuple[List[str], int]]]:
-    """Scoring rows of every choice of every line (tokenizer.context + context + choice, split as `split_context` splits them:
-    the harness's convention), and each line's (choices, label); its rows are consecutive."""
+    """Scoring rows of every choice of every line (tokenizer.context + context + choice, split as `split_context`
+    splits them: the harness's convention), and each line's (choices, label); its rows are consecutive."""
     rows, examples = [], []
     for where, rec in read_jsonl(path, ["context", "choices", "label"]):
         options, label = rec["choices"], rec["label"]
