@@ -5,7 +5,8 @@
   (0.0; not together with top_k), logprobs (false), add_BOS (false: prepend the start token: the
   end-of-document token, or an imported model's own), stop_on_eol, stop_on_double_eol (false),
   random_seed (-1: none). The answer holds `text` (each prompt followed by its generation), `segments`
-  (their tokens as text) and, with logprobs, `logprobs` (of every token after the first). tokens_to_generate=0 scores the prompts.
+  (their tokens as text) and, with logprobs, `logprobs` (of every token after the first).
+  tokens_to_generate=0 scores the prompts.
 - `POST /v1/completions` and `POST /v1/chat/completions`: OpenAI's (prompt or messages, max_tokens,
   temperature, top_p, n, stream, stream_options.include_usage, stop, logprobs, echo, seed, user,
   presence_penalty, frequency_penalty, logit_bias; completions also best_of); `stream: true` sends
